@@ -1,0 +1,32 @@
+"""Helpers shared by the tests: reading shards with both libraries and comparing samples."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import webdataset
+
+import wdsraft
+from wdsraft.positions import OFFSET_FIELD, ORDINAL_FIELD
+
+POSITION_FIELDS = (ORDINAL_FIELD, OFFSET_FIELD)
+
+
+def without_positions(samples: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Samples as webdataset would give them (wdsraft adds position fields)."""
+    return [{k: v for k, v in sample.items() if k not in POSITION_FIELDS} for sample in samples]
+
+
+def read_webdataset(urls: Sequence[str]) -> list[dict[str, Any]]:
+    return list(webdataset.tarfile_samples([{"url": url} for url in urls]))
+
+
+def read_wdsraft(urls: Sequence[str]) -> list[dict[str, Any]]:
+    return list(wdsraft.tarfile_samples([{"url": url} for url in urls]))
+
+
+def corpus_samples(records: Sequence[dict], count: int | None = None) -> list[dict[str, Any]]:
+    """webdataset-style samples from corpus records: text as .txt, the id as .json."""
+    chosen = records if count is None else records[:count]
+    return [{"__key__": f"{n:08d}", "txt": r["text"], "json": {"id": r["id"]}} for n, r in enumerate(chosen)]

@@ -1,0 +1,209 @@
+"""Byte compatibility with webdataset 1.0.2 and GNU tar, in both directions."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import shutil
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+import webdataset
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from shardutil import corpus_samples, read_wdsraft, read_webdataset, without_positions
+
+import wdsraft
+
+FORMATS = [None, "PAX_FORMAT", "GNU_FORMAT"]
+
+
+def _long_key(number: int) -> str:
+    # Over 100 bytes: needs a GNU L header, a PAX path record, or (ustar) the prefix field.
+    return f"deep/{'directory-' * 8}/{'x' * 60}-{number:04d}"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_shards_written_by_webdataset_read_identically(tmp_path: Path, corpus_records, fmt) -> None:
+    samples = corpus_samples(corpus_records, 120)
+    for number in range(0, 120, 7):  # long names, gzipped members, upper-case extensions
+        samples[number]["__key__"] = _long_key(number)
+        samples[number]["txt.gz"] = gzip.compress(samples[number]["txt"].encode())
+        samples[number]["CLS"] = str(number).encode()
+    pattern = str(tmp_path / "wds-%03d.tar")
+    with webdataset.ShardWriter(pattern, maxcount=25, format=fmt, verbose=0) as sink:
+        for sample in samples:
+            sink.write(sample)
+    urls = sorted(str(p) for p in tmp_path.glob("wds-*.tar"))
+    theirs = read_webdataset(urls)
+    ours = read_wdsraft(urls)
+    assert len(ours) == len(samples) == len(theirs)
+    assert without_positions(ours) == theirs
+    assert ours[7]["__key__"] == _long_key(7) and ours[7]["cls"] == b"7"
+
+
+def test_gzipped_shards_from_webdataset(tmp_path: Path, corpus_records) -> None:
+    samples = corpus_samples(corpus_records, 60)
+    for suffix in ("tar.gz", "tgz"):
+        with webdataset.TarWriter(str(tmp_path / f"shard.{suffix}")) as sink:
+            for sample in samples:
+                sink.write(sample)
+        url = str(tmp_path / f"shard.{suffix}")
+        assert without_positions(read_wdsraft([url])) == read_webdataset([url])
+
+
+def test_gzipped_shard_with_plain_tar_name_is_sniffed(tmp_path: Path, corpus_records) -> None:
+    url = str(tmp_path / "disguised.tar")
+    with open(url, "wb") as raw, webdataset.TarWriter(raw, compress=True) as sink:
+        for sample in corpus_samples(corpus_records, 10):
+            sink.write(sample)
+    assert without_positions(read_wdsraft([url])) == read_webdataset([url])
+
+
+@pytest.mark.skipif(shutil.which("tar") is None, reason="GNU tar not installed")
+@pytest.mark.parametrize("tar_format", ["gnu", "posix", "ustar", "v7"])
+def test_archives_made_by_gnu_tar(tmp_path: Path, tar_format: str) -> None:
+    tree = tmp_path / "tree"
+    (tree / "sub" / "deeper").mkdir(parents=True)
+    names = ["a.txt", "a.json", "b.txt", "sub/c.txt", "sub/c.cls", "sub/deeper/d.txt"]
+    if tar_format in ("gnu", "posix"):
+        names.append("sub/" + "long" * 30 + ".txt")  # a basename over 100 bytes
+    if tar_format != "v7":
+        names.append("sub/" + "d" * 90 + "/e.txt")  # a path over 100 bytes: the ustar prefix field
+    for number, name in enumerate(names):
+        (tree / name).parent.mkdir(parents=True, exist_ok=True)
+        (tree / name).write_bytes(f"content {number} of {name}".encode() * (number * 40 + 1))
+    os.symlink("a.txt", tree / "link.txt")  # a non-regular member: skipped, like webdataset
+    archive = tmp_path / f"gnu-{tar_format}.tar"
+    # Members in a fixed order; directories are members too and must be skipped.
+    subprocess.run(
+        ["tar", f"--format={tar_format}", "-cf", str(archive), "-C", str(tree), "--sort=name", "."],
+        check=True,
+    )
+    theirs = read_webdataset([str(archive)])
+    ours = read_wdsraft([str(archive)])
+    assert without_positions(ours) == theirs
+    assert len(ours) >= 4
+
+
+def test_shards_written_by_wdsraft_read_identically_by_webdataset(tmp_path: Path, corpus_records) -> None:
+    samples = corpus_samples(corpus_records)
+    samples[3]["__key__"] = _long_key(3)
+    with wdsraft.ShardWriter(str(tmp_path / "ours-%06d.tar"), maxcount=100, verbose=0) as sink:
+        for sample in samples:
+            sink.write(sample)
+    urls = sorted(str(p) for p in tmp_path.glob("ours-*.tar"))
+    assert len(urls) == 5
+    theirs = webdataset.WebDataset(urls, shardshuffle=False).decode()
+    decoded = [(s["__key__"], s["txt"], s["json"]) for s in theirs]
+    assert decoded == [(s["__key__"], s["txt"], s["json"]) for s in samples]
+    assert without_positions(read_wdsraft(urls)) == read_webdataset(urls)
+
+
+def test_tar_writer_matches_webdataset_byte_for_byte(tmp_path: Path, corpus_records) -> None:
+    samples = corpus_samples(corpus_records, 40)
+    samples[5]["__key__"] = _long_key(5)
+    samples[6]["__key__"] = "unicode/ключ-документа"
+    ours, theirs = tmp_path / "ours.tar", tmp_path / "theirs.tar"
+    with wdsraft.TarWriter(str(ours), mtime=1_700_000_000) as sink:
+        for sample in samples:
+            sink.write(dict(sample))
+    with webdataset.TarWriter(str(theirs), mtime=1_700_000_000) as sink:
+        for sample in samples:
+            sink.write(dict(sample))
+    assert ours.read_bytes() == theirs.read_bytes()
+
+
+def test_default_writer_has_no_per_member_pax_records(tmp_path: Path, corpus_records) -> None:
+    """webdataset's float mtimes add a PAX header to every member; ours are plain ustar blocks."""
+    samples = corpus_samples(corpus_records, 50)
+    ours, theirs = tmp_path / "ours.tar", tmp_path / "theirs.tar"
+    with wdsraft.TarWriter(str(ours)) as sink:
+        for sample in samples:
+            sink.write(dict(sample))
+    with webdataset.TarWriter(str(theirs)) as sink:
+        for sample in samples:
+            sink.write(dict(sample))
+    assert b"PaxHeader" not in ours.read_bytes() and b"PaxHeader" in theirs.read_bytes()
+    assert ours.stat().st_size < theirs.stat().st_size
+    def contents(samples):
+        return [{k: v for k, v in s.items() if k != "__url__"} for s in samples]
+
+    assert contents(without_positions(read_wdsraft([str(ours)]))) == contents(read_webdataset([str(theirs)]))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_explicit_formats_read_by_both(tmp_path: Path, corpus_records, fmt) -> None:
+    samples = corpus_samples(corpus_records, 20)
+    samples[4]["__key__"] = _long_key(4)
+    url = str(tmp_path / "shard.tar")
+    with wdsraft.TarWriter(url, format=fmt) as sink:
+        for sample in samples:
+            sink.write(sample)
+    assert without_positions(read_wdsraft([url])) == read_webdataset([url])
+    assert read_wdsraft([url])[4]["__key__"] == _long_key(4)
+
+
+@pytest.mark.skipif(shutil.which("tar") is None, reason="GNU tar not installed")
+def test_gnu_tar_lists_and_extracts_wdsraft_shards(tmp_path: Path, corpus_records) -> None:
+    samples = corpus_samples(corpus_records, 30)
+    samples[2]["__key__"] = _long_key(2)
+    shard = tmp_path / "shard.tar"
+    with wdsraft.TarWriter(str(shard), format="PAX_FORMAT") as sink:
+        for sample in samples:
+            sink.write(sample)
+    listing = subprocess.run(["tar", "tvf", str(shard)], check=True, capture_output=True, text=True).stdout
+    assert len(listing.splitlines()) == 60
+    assert "bigdata/bigdata" in listing and f"{_long_key(2)}.txt" in listing
+    out = tmp_path / "extracted"
+    out.mkdir()
+    subprocess.run(["tar", "xf", str(shard), "-C", str(out)], check=True)
+    assert (out / "00000000.txt").read_text() == samples[0]["txt"]
+    assert (out / f"{_long_key(2)}.txt").read_text() == samples[2]["txt"]
+    with tarfile.open(shard) as archive:  # and Python's own reader agrees
+        assert len(archive.getmembers()) == 60
+
+
+def test_compressed_output_is_readable_by_both(tmp_path: Path, corpus_records) -> None:
+    for name in ("shard.tar.gz", "shard.tar.bz2", "shard.tar.xz"):
+        url = str(tmp_path / name)
+        with wdsraft.TarWriter(url) as sink:
+            for sample in corpus_samples(corpus_records, 15):
+                sink.write(sample)
+        assert without_positions(read_wdsraft([url])) == read_webdataset([url])
+
+
+_keys = st.lists(
+    st.from_regex(r"[a-z0-9]{1,12}(/[a-zA-Z0-9_-]{1,40}){0,3}", fullmatch=True), min_size=1, max_size=25, unique=True
+)
+_fields = st.dictionaries(
+    st.sampled_from(["txt", "json", "bin", "cls", "seg.png", "TXT2"]),
+    st.binary(min_size=0, max_size=3000) | st.sampled_from([b"", b"x" * 511, b"y" * 512, b"z" * 513]),
+    min_size=1,
+    max_size=4,
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    keys=_keys,
+    fields=st.data(),
+    fmt=st.sampled_from(FORMATS),
+    compress=st.booleans(),
+    block_size=st.sampled_from([512, 1024, 4096, 1 << 20]),
+)
+def test_random_shards_agree_with_webdataset(tmp_path_factory, keys, fields, fmt, compress, block_size) -> None:
+    """Any sample set webdataset writes, in any format, reads the same through wdsraft at any buffer size."""
+    directory = tmp_path_factory.mktemp("prop")
+    url = str(directory / ("shard.tar.gz" if compress else "shard.tar"))
+    samples = [{"__key__": f"{n:03d}-{key}", **fields.draw(_fields)} for n, key in enumerate(keys)]
+    with webdataset.TarWriter(url, format=fmt, encoder=False) as sink:
+        for sample in samples:
+            sink.write(sample)
+    reader = wdsraft.ShardSampleReader(url, block_size=block_size)
+    ours = list(reader)
+    assert without_positions(ours) == read_webdataset([url])
+    assert [s["__ordinal__"] for s in ours] == list(range(len(samples)))
+    assert reader.exhausted

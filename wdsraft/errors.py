@@ -1,0 +1,34 @@
+"""Exceptions that name where things went wrong: the shard URL and the byte offset."""
+
+from __future__ import annotations
+
+import tarfile
+
+
+class TarFormatError(tarfile.ReadError):
+    """A shard is not a valid tar archive at some byte offset (corrupt, truncated, garbage).
+
+    Subclasses ``tarfile.ReadError`` so code written against webdataset (which surfaces
+    ``tarfile`` errors) keeps catching it.
+    """
+
+    def __init__(self, url: str, offset: int, reason: str):
+        super().__init__(f"{url}: {reason} at byte offset {offset}")
+        self.url = url
+        self.offset = offset
+        self.reason = reason
+
+    def __reduce__(self):  # keep the fields when the error crosses a DataLoader worker boundary
+        return (type(self), (self.url, self.offset, self.reason))
+
+
+class IndexFormatError(ValueError):
+    """An index or manifest file is unreadable, of a foreign format, or inconsistent with its shard."""
+
+    def __init__(self, url: str, reason: str):
+        super().__init__(f"{url}: {reason}")
+        self.url = url
+        self.reason = reason
+
+    def __reduce__(self):
+        return (type(self), (self.url, self.reason))

@@ -1,0 +1,30 @@
+"""Where a sample lives: its shard, its ordinal in that shard, and the byte offset of its first header.
+
+Every sample read by wdsraft carries its position in two plain-int fields beside webdataset's
+``__key__`` and ``__url__``, so that later stages (shuffle state, packing provenance, the
+ledger) can name it without holding its bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+ORDINAL_FIELD = "__ordinal__"
+OFFSET_FIELD = "__offset__"
+
+
+class Position(NamedTuple):
+    """A sample's address: ``shard`` URL, dense ``ordinal`` within it, ``offset`` of its first header."""
+
+    shard: str
+    ordinal: int
+    offset: int
+
+    @classmethod
+    def of(cls, sample: Mapping[str, Any]) -> Position:
+        """The position of a sample produced by a wdsraft reader."""
+        try:
+            return cls(sample["__url__"], sample[ORDINAL_FIELD], sample[OFFSET_FIELD])
+        except KeyError as missing:
+            raise KeyError(f"sample {sample.get('__key__')!r} carries no position field {missing}") from None
