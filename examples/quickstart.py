@@ -67,7 +67,10 @@ def main() -> None:
     theirs = list(webdataset.tarfile_samples({"url": url} for url in urls))
     same = [(s["__key__"], s["txt"], s["json"]) for s in ours] == [(s["__key__"], s["txt"], s["json"]) for s in theirs]
     intact = content_digest([s["txt"] for s in ours]) == content_digest([r["text"].encode() for r in records])
-    print(f"read back {len(ours)} samples in {elapsed * 1000:.0f} ms; same as webdataset: {same}; content intact: {intact}")
+    print(
+        f"read back {len(ours)} samples in {elapsed * 1000:.0f} ms; "
+        f"same as webdataset: {same}; content intact: {intact}"
+    )
 
     shard = urls[len(urls) // 2]
     index = wdsraft.ShardIndex.load(shard)

@@ -100,15 +100,16 @@ class _RangeHandler(http.server.SimpleHTTPRequestHandler):
         if start >= size:
             self.send_error(416)
             return None
-        handle = open(path, "rb")
-        handle.seek(start)
+        with open(path, "rb") as handle:
+            handle.seek(start)
+            body = handle.read(end - start + 1)
         self.send_response(206)
         self.send_header("Content-Type", "application/x-tar")
         self.send_header("Accept-Ranges", "bytes")
         self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
         self.send_header("Content-Length", str(end - start + 1))
         self.end_headers()
-        return io.BytesIO(handle.read(end - start + 1))
+        return io.BytesIO(body)
 
 
 @pytest.fixture

@@ -128,6 +128,7 @@ def test_default_writer_has_no_per_member_pax_records(tmp_path: Path, corpus_rec
             sink.write(dict(sample))
     assert b"PaxHeader" not in ours.read_bytes() and b"PaxHeader" in theirs.read_bytes()
     assert ours.stat().st_size < theirs.stat().st_size
+
     def contents(samples):
         return [{k: v for k, v in s.items() if k != "__url__"} for s in samples]
 

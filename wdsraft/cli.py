@@ -46,7 +46,7 @@ def expand_urls(specs: Sequence[str]) -> list[str]:
 def _list_s3(prefix_url: str) -> list[str]:
     parsed = urlparse(prefix_url)
     paginator = s3_client().get_paginator("list_objects_v2")
-    keys = []
+    keys: list[str] = []
     for page in paginator.paginate(Bucket=parsed.netloc, Prefix=parsed.path.lstrip("/")):
         keys.extend(item["Key"] for item in page.get("Contents", []))
     return [f"s3://{parsed.netloc}/{key}" for key in sorted(keys) if key.endswith(SHARD_SUFFIXES)]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import bz2
 import functools
 import gzip
+import io
 import logging
 import lzma
 import os
@@ -150,7 +151,7 @@ def _open_raw(url: str, offset: int) -> tuple[IO[bytes], int]:
     parsed = urlparse(url)
     if parsed.scheme in ("", "file"):
         path = url if parsed.scheme == "" else url2pathname(parsed.path)
-        stream: IO[bytes] = open(path, "rb", buffering=0)
+        stream: IO[bytes] = open(path, "rb", buffering=0)  # noqa: SIM115 - handed to the caller
         if offset:
             stream.seek(offset)
         return stream, offset
@@ -196,7 +197,10 @@ def open_shard(url: str, offset: int = 0) -> IO[bytes]:
         if kind is None:
             head = raw.read(8)
             kind = next((name for magic, name in _MAGIC if head.startswith(magic)), None)
-            raw = cast(IO[bytes], _Prefixed(head, raw))
+            if isinstance(raw, io.FileIO):
+                raw.seek(0)
+            else:
+                raw = cast(IO[bytes], _Prefixed(head, raw))
         if kind is None:
             return raw
         stream = decompress_stream(kind, raw)

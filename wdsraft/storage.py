@@ -7,6 +7,7 @@ completes, so they are written directly (smart_open aborts a failed multipart up
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 from typing import IO, cast
@@ -35,7 +36,7 @@ class AtomicLocalFile:
         directory = os.path.dirname(os.path.abspath(path))
         os.makedirs(directory, exist_ok=True)
         self.temp_path = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-        self._file = open(self.temp_path, "wb")
+        self._file = open(self.temp_path, "wb")  # noqa: SIM115 - closed by close()/abort()
 
     def write(self, data: bytes) -> int:
         return self._file.write(data)
@@ -65,10 +66,8 @@ class AtomicLocalFile:
         """Drop what was written; the final name is untouched."""
         if not self._file.closed:
             self._file.close()
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.temp_path)
-        except FileNotFoundError:
-            pass
 
     def __enter__(self) -> AtomicLocalFile:
         return self

@@ -10,9 +10,10 @@ non-regular members. Offsets are byte offsets in the *uncompressed* tar stream.
 
 from __future__ import annotations
 
+import io
 import tarfile
 from collections.abc import Iterator
-from typing import BinaryIO, NamedTuple
+from typing import IO, Any, NamedTuple
 
 import numpy as np
 
@@ -73,9 +74,11 @@ def header_checksum_ok(header: bytes) -> bool:
     unsigned = sum(header) - sum(header[148:156]) + 8 * 32
     if stored == unsigned:
         return True
-    signed = sum(b - 256 if b > 127 else b for b in header) - sum(
-        b - 256 if b > 127 else b for b in header[148:156]
-    ) + 8 * 32
+    signed = (
+        sum(b - 256 if b > 127 else b for b in header)
+        - sum(b - 256 if b > 127 else b for b in header[148:156])
+        + 8 * 32
+    )
     return stored == signed
 
 
@@ -113,7 +116,7 @@ class TarMemberReader:
     or the reader itself for one member at a time.
     """
 
-    def __init__(self, fileobj: BinaryIO, url: str, start_offset: int = 0, block_size: int = 1 << 20):
+    def __init__(self, fileobj: IO[bytes], url: str, start_offset: int = 0, block_size: int = 1 << 20):
         self.fileobj = fileobj
         self.url = url
         self.start_offset = start_offset
@@ -124,6 +127,7 @@ class TarMemberReader:
         self._pending_size: int | None = None  # from a PAX size record
         self._chain_start: int | None = None  # offset of the first header of the current chain
         self._global_pax: dict[str, str] = {}
+        self._seekable = _positioned_file(fileobj, start_offset)
 
     def __iter__(self) -> Iterator[TarMember]:
         for batch in self.batches():
@@ -153,7 +157,11 @@ class TarMemberReader:
                 if not buf:
                     if self._chain_start is not None:
                         raise TarFormatError(url, self._chain_start, "archive ends inside an extended header chain")
-                    return  # a clean end without end-of-archive blocks, as tarfile accepts
+                    if base == 0:
+                        raise TarFormatError(url, 0, "empty file (not a tar archive)")
+                    # tarfile and webdataset accept this silently, but every tar writer ends with two zero
+                    # blocks: a shard cut exactly between two members would otherwise lose samples unseen.
+                    raise TarFormatError(url, base, "archive ends without end-of-archive blocks (truncated?)")
                 if len(buf) < BLOCK:
                     raise TarFormatError(url, base, f"truncated header ({len(buf)} of 512 bytes)")
 
@@ -171,12 +179,12 @@ class TarMemberReader:
                         break
                     size = self._size(header, base + pos)
                     data_start = pos + BLOCK
-                    data_end = data_start + size
-                    if data_end > len(buf):
+                    next_header = data_start + _padded(size)
+                    if next_header > len(buf):
                         break  # straddles the buffer: handled below, on its own
                     headers.append(pos)
-                    member = self._member(header, base + pos, buf[data_start:data_end])
-                    pos = data_start + _padded(size)
+                    member = self._member(header, base + pos, buf[data_start : data_start + size])
+                    pos = next_header
                     if member is not None:
                         batch.append(member)
                         ends.append((len(headers), pos))
@@ -210,13 +218,23 @@ class TarMemberReader:
             if not header_checksum_ok(header):
                 raise TarFormatError(url, offset, "bad header checksum (corrupt or not a tar archive)")
             size = self._size(header, offset)
-            have = buf[pos + BLOCK :]
-            rest = self._read(_padded(size) - len(have))
-            if len(have) + len(rest) < size:
-                raise TarFormatError(url, offset, f"truncated member data ({len(have) + len(rest)} of {size} bytes)")
-            whole = have + rest
-            member = self._member(header, offset, whole[:size])
-            base = offset + BLOCK + len(whole)
+            available = len(buf) - pos - BLOCK
+            if available >= size:
+                data = buf[pos + BLOCK : pos + BLOCK + size]
+                consumed = available
+            elif self._seekable:  # a local file: read the member straight into its own bytes, no copy
+                self.fileobj.seek(offset + BLOCK)
+                data = self._read(size)
+                consumed = len(data)
+            else:  # one read for the rest, one copy at most
+                have = buf[pos + BLOCK :]
+                data = have + self._read(size - available)
+                consumed = len(data)
+            if len(data) < size:
+                raise TarFormatError(url, offset, f"truncated member data ({len(data)} of {size} bytes)")
+            consumed += len(self._read(_padded(size) - consumed))  # the padding (short only at a truncation)
+            member = self._member(header, offset, data)
+            base = offset + BLOCK + consumed
             buf, pos = b"", 0
             if member is not None:
                 self.end_offset = base
@@ -280,6 +298,16 @@ class TarMemberReader:
         return _decode_name(name)
 
 
+def _positioned_file(fileobj: IO[bytes], offset: int) -> bool:
+    """Whether ``fileobj`` is a plain local file whose position is the archive offset (cheap to seek)."""
+    if not isinstance(fileobj, (io.FileIO, io.BufferedReader)):
+        return False
+    try:
+        return fileobj.tell() == offset
+    except OSError:
+        return False
+
+
 def _first_bad_header(buf: bytes, positions: list[int]) -> int | None:
     """Index (into ``positions``) of the first header in ``buf`` whose checksum is wrong, or None."""
     if not positions:
@@ -314,7 +342,7 @@ class HeaderBuilder:
     so that the chosen format's rules (ustar prefix, GNU ``L``, PAX ``x``) apply exactly.
     """
 
-    def __init__(self, user: str, group: str, mode: int, format: int = tarfile.USTAR_FORMAT):
+    def __init__(self, user: str, group: str, mode: int, format: Any = tarfile.PAX_FORMAT):
         self.user = user
         self.group = group
         self.mode = mode

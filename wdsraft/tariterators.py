@@ -196,7 +196,7 @@ def tarfile_samples(
                 yield sample
         except Exception as exn:
             if not (exn.args and str(url) in str(exn.args[0])):
-                exn.args = exn.args + (url,)
+                exn.args = (*exn.args, url)
             if handler(exn):
                 continue
             break
@@ -214,7 +214,7 @@ def url_opener(
         try:
             sample.update(stream=open_shard(url, sample.get("offset", 0)))
         except Exception as exn:
-            exn.args = exn.args + (url,)
+            exn.args = (*exn.args, url)
             if handler(exn):
                 continue
             break
@@ -273,7 +273,7 @@ def tar_file_expander(
             if eof_value is not None:
                 yield eof_value
         except Exception as exn:
-            exn.args = exn.args + (source.get("stream"), url)
+            exn.args = (*exn.args, source.get("stream"), url)
             if handler(exn):
                 continue
             break

@@ -72,13 +72,14 @@ def _compression(fileobj: Any, compress: bool | str | None) -> str | None:
 
 
 def _compressor(kind: str | None, sink: _CountingSink) -> IO[bytes]:
-    if kind is None:
-        return cast(IO[bytes], sink)
+    stream = cast(IO[bytes], sink)
     if kind == "gzip":
-        return cast(IO[bytes], gzip.GzipFile(fileobj=sink, mode="wb", mtime=0))  # type: ignore[arg-type]
+        return cast(IO[bytes], gzip.GzipFile(fileobj=stream, mode="wb", mtime=0))
     if kind == "bz2":
-        return cast(IO[bytes], bz2.BZ2File(sink, mode="wb"))  # type: ignore[arg-type]
-    return cast(IO[bytes], lzma.LZMAFile(sink, mode="wb"))  # type: ignore[arg-type]
+        return cast(IO[bytes], bz2.BZ2File(stream, mode="wb"))
+    if kind == "xz":
+        return cast(IO[bytes], lzma.LZMAFile(stream, mode="wb"))
+    return stream
 
 
 class TarWriter:

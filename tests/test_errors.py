@@ -1,0 +1,183 @@
+"""Bad shards give errors that name the shard and the byte offset; handlers decide; nothing hangs."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import boto3
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from shardutil import corpus_samples
+
+import wdsraft
+from wdsraft.tarformat import TarMemberReader
+
+
+@pytest.fixture(scope="module")
+def good_shard(tmp_path_factory, corpus_records) -> tuple[bytes, list[dict]]:
+    """The bytes of a valid 12-sample shard and its samples (one sample with a PAX long name)."""
+    directory = tmp_path_factory.mktemp("good")
+    samples = corpus_samples(corpus_records, 12)
+    samples[4]["__key__"] = "long/" + "k" * 140
+    url = str(directory / "good.tar")
+    with wdsraft.TarWriter(url) as sink:
+        for sample in samples:
+            sink.write(sample)
+    return Path(url).read_bytes(), list(wdsraft.ShardSampleReader(url))
+
+
+def _write(tmp_path: Path, name: str, data: bytes) -> str:
+    path = tmp_path / name
+    path.write_bytes(data)
+    return str(path)
+
+
+def _header_offsets(data: bytes) -> list[int]:
+    from io import BytesIO
+
+    return [member.offset for member in TarMemberReader(BytesIO(data), "mem")]
+
+
+def test_bad_header_checksum_names_shard_and_offset(tmp_path: Path, good_shard) -> None:
+    data, full = good_shard
+    target = full[6]["__offset__"]
+    corrupt = bytearray(data)
+    corrupt[target + 3] ^= 0x20  # one bit of the name of sample 6's first member
+    url = _write(tmp_path, "corrupt.tar", bytes(corrupt))
+    seen = []
+    with pytest.raises(wdsraft.TarFormatError) as caught:
+        for sample in wdsraft.ShardSampleReader(url):
+            seen.append(sample)
+    assert caught.value.url == url and caught.value.offset == target
+    assert url in str(caught.value) and f"byte offset {target}" in str(caught.value)
+    assert "checksum" in str(caught.value)
+    assert [s["__key__"] for s in seen] == [s["__key__"] for s in full[:6]]  # nothing before it is lost
+
+
+def test_truncated_member_data(tmp_path: Path, good_shard) -> None:
+    data, full = good_shard
+    cut = full[8]["__offset__"] + 512 + 10
+    url = _write(tmp_path, "truncated.tar", data[:cut])
+    with pytest.raises(wdsraft.TarFormatError, match="truncated member data") as caught:
+        list(wdsraft.ShardSampleReader(url))
+    assert caught.value.offset == full[8]["__offset__"]
+
+
+def test_truncated_header(tmp_path: Path, good_shard) -> None:
+    data, full = good_shard
+    cut = full[3]["__offset__"] + 100
+    url = _write(tmp_path, "truncated.tar", data[:cut])
+    with pytest.raises(wdsraft.TarFormatError, match="truncated header") as caught:
+        list(wdsraft.ShardSampleReader(url))
+    assert caught.value.offset == full[3]["__offset__"]
+
+
+def test_shard_cut_between_members_is_reported(tmp_path: Path, good_shard) -> None:
+    data, full = good_shard
+    url = _write(tmp_path, "cut.tar", data[: full[5]["__offset__"]])
+    seen = []
+    with pytest.raises(wdsraft.TarFormatError, match="without end-of-archive") as caught:
+        for sample in wdsraft.ShardSampleReader(url):
+            seen.append(sample)
+    assert len(seen) == 5 and caught.value.offset == full[5]["__offset__"]
+
+
+@pytest.mark.parametrize("content", [b"", b"this is not a tar file at all\n" * 100, os.urandom(5000)])
+def test_garbage_and_empty_files(tmp_path: Path, content: bytes) -> None:
+    url = _write(tmp_path, "garbage.tar", content)
+    with pytest.raises(wdsraft.TarFormatError) as caught:
+        list(wdsraft.ShardSampleReader(url))
+    assert caught.value.offset == 0 and url in str(caught.value)
+
+
+def test_corrupt_size_field_does_not_hang(tmp_path: Path, good_shard) -> None:
+    data, full = good_shard
+    corrupt = bytearray(data)
+    offset = full[2]["__offset__"]
+    corrupt[offset + 124 : offset + 135] = b"77777777777"  # an 8 GB member, checksum now wrong
+    url = _write(tmp_path, "size.tar", bytes(corrupt))
+    with pytest.raises(wdsraft.TarFormatError) as caught:
+        list(wdsraft.ShardSampleReader(url, block_size=4096))
+    assert caught.value.offset == offset
+
+
+def test_handlers_skip_bad_shards_and_keep_the_rest(tmp_path: Path, good_shard) -> None:
+    data, full = good_shard
+    good = _write(tmp_path, "good.tar", data)
+    bad = _write(tmp_path, "bad.tar", data[:1000])
+    missing = str(tmp_path / "missing.tar")
+    sources = [{"url": u} for u in (good, bad, missing, good)]
+    with pytest.warns(UserWarning):
+        samples = list(wdsraft.tarfile_samples(sources, handler=wdsraft.warn_and_continue))
+    # The bad shard's first sample is delivered with the member that was read whole (as webdataset does).
+    assert len(samples) == 2 * len(full) + 1
+    assert samples[len(full)]["__url__"] == bad and "txt" not in samples[len(full)]
+    stopped = list(wdsraft.tarfile_samples(sources, handler=wdsraft.ignore_and_stop))
+    assert stopped[: len(full)] == [{**s, "__url__": good} for s in full] and len(stopped) == len(full) + 1
+    with pytest.raises(wdsraft.TarFormatError, match=r"bad\.tar"):
+        list(wdsraft.tarfile_samples(sources))
+    with pytest.raises(FileNotFoundError, match=r"missing\.tar"):
+        list(wdsraft.tarfile_samples([{"url": missing}]))
+
+
+def test_duplicate_extension_goes_to_the_handler(tmp_path: Path) -> None:
+    import tarfile
+    from io import BytesIO
+
+    url = str(tmp_path / "dup.tar")
+    with tarfile.open(url, "w") as archive:
+        for name in ("a.txt", "a.txt", "b.txt"):
+            info = tarfile.TarInfo(name)
+            info.size = 3
+            archive.addfile(info, BytesIO(b"abc"))
+    with pytest.raises(ValueError, match=r"a\.txt: duplicate file name in tar file txt"):
+        list(wdsraft.ShardSampleReader(url))
+    samples = list(wdsraft.ShardSampleReader(url, handler=wdsraft.ignore_and_continue))
+    assert [s["__key__"] for s in samples] == ["a", "b"]
+
+
+def test_missing_s3_object_names_the_url(s3_bucket, monkeypatch) -> None:
+    monkeypatch.setenv("WDSRAFT_S3_READER", "smart_open")
+    url = f"s3://{s3_bucket}/nope/shard.tar"
+    with pytest.raises(OSError, match=r"nope/shard\.tar"):
+        list(wdsraft.tarfile_samples([{"url": url}]))
+
+
+def test_truncated_s3_object(s3_bucket, good_shard, monkeypatch) -> None:
+    data, full = good_shard
+    boto3.client("s3").put_object(Bucket=s3_bucket, Key="cut.tar", Body=data[: full[7]["__offset__"] + 520])
+    for reader in ("smart_open", "s5cmd"):
+        monkeypatch.setenv("WDSRAFT_S3_READER", reader)
+        with pytest.raises(wdsraft.TarFormatError, match="truncated member data") as caught:
+            list(wdsraft.ShardSampleReader(f"s3://{s3_bucket}/cut.tar"))
+        assert caught.value.offset == full[7]["__offset__"]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1), mode=st.sampled_from(["flip", "truncate"]), block=st.sampled_from([512, 8192]))
+def test_random_damage_is_reported_or_harmless(tmp_path_factory, good_shard, seed, mode, block) -> None:
+    """Any flipped byte or cut: the read completes or raises TarFormatError/ValueError at or before the damage."""
+    data, full = good_shard
+    rng = random.Random(seed)
+    where = rng.randrange(len(data))
+    damaged = bytearray(data)
+    if mode == "flip":
+        damaged[where] ^= 1 << rng.randrange(8)
+    else:
+        del damaged[where:]
+    url = _write(tmp_path_factory.mktemp("dmg"), "damaged.tar", bytes(damaged))
+    seen = []
+    try:
+        for sample in wdsraft.ShardSampleReader(url, block_size=block):
+            seen.append(sample)
+    except wdsraft.TarFormatError as error:
+        assert error.url == url and error.offset <= where
+    except ValueError as error:  # a corrupt PAX record naming a duplicate member
+        assert "duplicate" in str(error)
+    else:
+        assert len(seen) == len(full) or mode == "flip"
+    if mode == "truncate":
+        assert [s["__key__"] for s in seen] == [s["__key__"] for s in full[: len(seen)]]

@@ -1,0 +1,190 @@
+"""Shard indexes, the manifest, the `wdsraft index` command and atomic writes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import boto3
+import msgpack
+import pytest
+import webdataset
+from shardutil import corpus_samples
+
+import wdsraft
+from wdsraft.cli import main as cli_main
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _webdataset_shards(directory: Path, corpus_records, count: int = 130, per_shard: int = 40) -> list[str]:
+    with webdataset.ShardWriter(str(directory / "theirs-%04d.tar"), maxcount=per_shard, verbose=0) as sink:
+        for sample in corpus_samples(corpus_records, count):
+            sink.write(sample)
+    return sorted(str(p) for p in directory.glob("theirs-*.tar"))
+
+
+def test_writer_index_equals_built_index(tmp_path: Path, corpus_records) -> None:
+    url = str(tmp_path / "shard.tar")
+    with wdsraft.TarWriter(url) as sink:
+        for sample in corpus_samples(corpus_records, 50):
+            sink.write(sample)
+    saved = wdsraft.ShardIndex.load(url)
+    built = wdsraft.build_index(url)
+    assert saved == built
+    assert saved.num_samples == 50 and saved.size == os.path.getsize(url)
+    assert saved.sha256 == hashlib.sha256(Path(url).read_bytes()).hexdigest()
+    samples = list(wdsraft.ShardSampleReader(url))
+    assert list(saved.offsets[:-1]) == [s["__offset__"] for s in samples]
+
+
+def test_index_file_is_plain_msgpack(tmp_path: Path, corpus_records) -> None:
+    url = str(tmp_path / "shard.tar")
+    with wdsraft.TarWriter(url) as sink:
+        for sample in corpus_samples(corpus_records, 5):
+            sink.write(sample)
+    record = msgpack.unpackb(Path(url + ".idx").read_bytes())
+    assert record["format"] == "wdsraft-shard-index" and record["num_samples"] == 5
+    assert len(record["offsets"]) == 8 * 6
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda raw: raw[: len(raw) // 2],  # torn write
+        lambda raw: b"\x80\x04\x95 pickle-looking bytes",
+        lambda raw: msgpack.packb({"format": "something-else"}),
+        lambda raw: json.dumps({"format": "wdsraft-shard-index"}).encode(),
+    ],
+)
+def test_foreign_or_torn_index_is_rejected(tmp_path: Path, corpus_records, damage) -> None:
+    url = str(tmp_path / "shard.tar")
+    with wdsraft.TarWriter(url) as sink:
+        for sample in corpus_samples(corpus_records, 5):
+            sink.write(sample)
+    Path(url + ".idx").write_bytes(damage(Path(url + ".idx").read_bytes()))
+    with pytest.raises(wdsraft.IndexFormatError, match=r"shard\.tar\.idx"):
+        wdsraft.ShardIndex.load(url)
+
+
+def test_missing_index_says_how_to_build_one(tmp_path: Path) -> None:
+    with pytest.raises(wdsraft.IndexFormatError, match="wdsraft index"):
+        wdsraft.ShardIndex.load(str(tmp_path / "nothing.tar"))
+
+
+def test_shard_writer_manifest(tmp_path: Path, corpus_records) -> None:
+    committed = []
+    with wdsraft.ShardWriter(str(tmp_path / "ds-%05d.tar"), maxcount=100, verbose=0, post=committed.append) as sink:
+        for sample in corpus_samples(corpus_records):
+            sink.write(sample)
+    manifest_path = str(tmp_path / "manifest.json")
+    manifest = wdsraft.Manifest.load(manifest_path)
+    assert manifest.num_samples == len(corpus_records)
+    assert [e.num_samples for e in manifest.shards] == [100, 100, 100, 100, 34]
+    assert manifest.urls(manifest_path) == committed == [str(tmp_path / f"ds-{n:05d}.tar") for n in range(5)]
+    for entry, url in zip(manifest.shards, committed, strict=False):
+        assert entry.sha256 == hashlib.sha256(Path(url).read_bytes()).hexdigest()
+        assert entry.size == os.path.getsize(url)
+    record = json.loads(Path(manifest_path).read_text())
+    assert record["__kind__"] == "wids-shard-index-v1"
+    assert record["shardlist"][0] == {
+        "url": "ds-00000.tar",
+        "nsamples": 100,
+        "filesize": manifest.shards[0].size,
+        "sha256": manifest.shards[0].sha256,
+        "index": "ds-00000.tar.idx",
+    }
+
+
+def test_index_command_on_webdataset_shards(tmp_path: Path, corpus_records, capsys) -> None:
+    urls = _webdataset_shards(tmp_path, corpus_records)
+    assert cli_main(["index", str(tmp_path / "theirs-*.tar"), "--workers", "2", "--quiet"]) == 0
+    assert "indexed 4 of 4 shards, 130 samples" in capsys.readouterr().out
+    manifest = wdsraft.Manifest.load(str(tmp_path / "manifest.json"))
+    assert [e.url for e in manifest.shards] == [os.path.basename(u) for u in urls]
+    assert manifest.num_samples == 130
+    for url in urls:
+        index = wdsraft.ShardIndex.load(url)
+        samples = list(wdsraft.ShardSampleReader(url))
+        assert list(index.offsets[:-1]) == [s["__offset__"] for s in samples]
+        tail = list(wdsraft.ShardSampleReader(url, offset=index.offset_of(7), ordinal=7))
+        assert tail == samples[7:]
+
+
+def test_index_command_reports_bad_shards_and_goes_on(tmp_path: Path, corpus_records, capsys) -> None:
+    urls = _webdataset_shards(tmp_path, corpus_records)
+    Path(urls[1]).write_bytes(Path(urls[1]).read_bytes()[:3000])
+    assert cli_main(["index", *urls, "--workers", "1", "--quiet"]) == 1
+    captured = capsys.readouterr()
+    assert "indexed 3 of 4 shards" in captured.out
+    assert "theirs-0001.tar" in captured.err and "byte offset" in captured.err
+    assert not os.path.exists(urls[1] + ".idx")
+
+
+def test_index_command_on_s3_prefix(tmp_path: Path, corpus_records, s3_bucket, capsys) -> None:
+    urls = _webdataset_shards(tmp_path, corpus_records, count=90, per_shard=30)
+    client = boto3.client("s3")
+    for url in urls:
+        client.upload_file(url, s3_bucket, f"ds/{os.path.basename(url)}")
+    assert cli_main(["index", f"s3://{s3_bucket}/ds/", "--quiet", "--workers", "2"]) == 0
+    manifest_url = f"s3://{s3_bucket}/ds/manifest.json"
+    manifest = wdsraft.Manifest.load(manifest_url)
+    assert manifest.num_samples == 90 and len(manifest.shards) == 3
+    remote = manifest.urls(manifest_url)
+    index = wdsraft.ShardIndex.load(remote[2])
+    assert index.sha256 == hashlib.sha256(Path(urls[2]).read_bytes()).hexdigest()
+    tail = list(wdsraft.ShardSampleReader(remote[2], offset=index.offset_of(29), ordinal=29))
+    assert len(tail) == 1 and tail[0]["__key__"] == f"{89:08d}"
+
+
+def test_exception_inside_writer_leaves_nothing(tmp_path: Path, corpus_records) -> None:
+    url = tmp_path / "shard.tar"
+    with pytest.raises(RuntimeError), wdsraft.TarWriter(str(url)) as sink:
+        for sample in corpus_samples(corpus_records, 10):
+            sink.write(sample)
+        raise RuntimeError("crash while writing")
+    assert os.listdir(tmp_path) == []
+
+
+def test_killed_writer_never_leaves_a_partial_shard(tmp_path: Path) -> None:
+    """SIGKILL in the middle of a shard: committed shards are whole, the one in progress is absent."""
+    script = textwrap.dedent(
+        f"""
+        import os, sys, wdsraft
+        with wdsraft.ShardWriter({str(tmp_path / "ds-%03d.tar")!r}, maxcount=50, verbose=0) as sink:
+            for n in range(10_000):
+                sink.write({{"__key__": f"{{n:06d}}", "txt": "x" * 2000}})
+                if n == 120:
+                    print("ready", flush=True)
+                    os.kill(os.getpid(), 9)
+        """
+    )
+    process = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO)
+    assert process.returncode == -signal.SIGKILL and "ready" in process.stdout
+    shards = sorted(p.name for p in tmp_path.glob("ds-*.tar"))
+    assert shards == ["ds-000.tar", "ds-001.tar"]  # shard 2 was being written: not under its final name
+    for name in shards:
+        assert len(list(wdsraft.ShardSampleReader(str(tmp_path / name)))) == 50
+
+
+def test_cli_help_explains_commands() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "wdsraft.cli", "index", "--help"], capture_output=True, text=True, cwd=REPO
+    )
+    assert result.returncode == 0 and "manifest" in result.stdout and "s3://" in result.stdout
+
+
+def test_cli_ls_seeks_through_the_index(tmp_path: Path, corpus_records, capsys) -> None:
+    url = str(tmp_path / "shard.tar")
+    with wdsraft.TarWriter(url) as sink:
+        for sample in corpus_samples(corpus_records, 20):
+            sink.write(sample)
+    assert cli_main(["ls", url, "--ordinal", "15", "--limit", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].startswith("15\t") and "00000015" in lines[1] and len(lines) == 3
