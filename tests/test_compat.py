@@ -208,3 +208,58 @@ def test_random_shards_agree_with_webdataset(tmp_path_factory, keys, fields, fmt
     assert without_positions(ours) == read_webdataset([url])
     assert [s["__ordinal__"] for s in ours] == list(range(len(samples)))
     assert reader.exhausted
+
+
+def test_rename_files_can_give_extensionless_members_an_extension(tmp_path: Path) -> None:
+    from io import BytesIO
+
+    url = str(tmp_path / "noext.tar")
+    with tarfile.open(url, "w") as archive:
+        for name in ("a", "a.txt", "b"):
+            info = tarfile.TarInfo(name)
+            info.size = 1
+            archive.addfile(info, BytesIO(b"x"))
+
+    def rename(name: str) -> str:
+        return name if "." in name else name + ".bin"
+
+    theirs = list(webdataset.tarfile_samples([{"url": url}], rename_files=rename))
+    ours = list(wdsraft.tarfile_samples([{"url": url}], rename_files=rename))
+    assert without_positions(ours) == theirs and [s["__key__"] for s in ours] == ["a", "b"]
+
+
+def test_a_rename_that_splits_a_sample_still_resumes(tmp_path: Path) -> None:
+    from io import BytesIO
+
+    url = str(tmp_path / "split.tar")
+    with tarfile.open(url, "w") as archive:
+        for name in ("k.jpg", "k.txt", "m.txt"):
+            info = tarfile.TarInfo(name)
+            info.size = 1
+            archive.addfile(info, BytesIO(b"x"))
+
+    def rename(name: str) -> str:
+        return "j.txt" if name == "k.txt" else name
+
+    full = list(wdsraft.ShardSampleReader(url, rename_files=rename))
+    assert [s["__key__"] for s in full] == ["k", "j", "m"]
+    for number, sample in enumerate(full):
+        tail = wdsraft.ShardSampleReader(
+            url, offset=sample["__offset__"], ordinal=sample["__ordinal__"], rename_files=rename
+        )
+        assert [s["__key__"] for s in tail] == [s["__key__"] for s in full[number:]]
+
+
+def test_stop_handler_on_duplicate_stops_everything_like_webdataset(tmp_path: Path) -> None:
+    from io import BytesIO
+
+    url = str(tmp_path / "dup.tar")
+    with tarfile.open(url, "w") as archive:
+        for name in ("a.txt", "a.txt", "b.txt"):
+            info = tarfile.TarInfo(name)
+            info.size = 1
+            archive.addfile(info, BytesIO(b"x"))
+    sources = [{"url": url}, {"url": url}]
+    theirs = list(webdataset.tarfile_samples(sources, handler=webdataset.ignore_and_stop))
+    ours = list(wdsraft.tarfile_samples(sources, handler=wdsraft.ignore_and_stop))
+    assert without_positions(ours) == theirs and len(ours) == 1

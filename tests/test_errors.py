@@ -181,3 +181,67 @@ def test_random_damage_is_reported_or_harmless(tmp_path_factory, good_shard, see
         assert len(seen) == len(full) or mode == "flip"
     if mode == "truncate":
         assert [s["__key__"] for s in seen] == [s["__key__"] for s in full[: len(seen)]]
+
+
+# -- hostile headers and streams (found in review) -------------------------------------------------
+
+
+def _raw_header(name: str, size_field: bytes, typeflag: bytes = b"0") -> bytes:
+    """A ustar header with an arbitrary size field and a valid checksum."""
+    import tarfile as _tarfile
+
+    block = bytearray(_tarfile.TarInfo(name).tobuf(_tarfile.USTAR_FORMAT))
+    block[124:136] = size_field
+    block[156:157] = typeflag
+    block[148:156] = b" " * 8
+    block[148:155] = b"%06o\0" % sum(block)
+    return bytes(block)
+
+
+@pytest.mark.parametrize(
+    "size_field",
+    [b"\xff" * 10 + b"\xfc\x18", b"\x80" + (2**40).to_bytes(11, "big"), b"\x80" + (2**80 % 2**88).to_bytes(11, "big")],
+    ids=["negative", "1TB", "huge"],
+)
+def test_absurd_sizes_are_format_errors(tmp_path: Path, good_shard, size_field: bytes) -> None:
+    data, _ = good_shard
+    url = _write(tmp_path, "absurd.tar", _raw_header("x.txt", size_field) + bytes(512) + data)
+    for block in (512, 1 << 20):
+        with pytest.raises(wdsraft.TarFormatError) as caught:
+            list(wdsraft.ShardSampleReader(url, block_size=block))
+        assert caught.value.offset == 0
+
+
+def test_bad_pax_records_are_format_errors(tmp_path: Path) -> None:
+    import tarfile as _tarfile
+    from io import BytesIO
+
+    for records, message in (({"size": "abc"}, "PAX size"), ({"GNU.sparse.major": "1"}, "sparse")):
+        url = str(tmp_path / "pax.tar")
+        with _tarfile.open(url, "w", format=_tarfile.PAX_FORMAT) as archive:
+            info = _tarfile.TarInfo("a.txt")
+            info.size = 3
+            info.pax_headers = records
+            archive.addfile(info, BytesIO(b"abc"))
+        with pytest.raises(wdsraft.TarFormatError, match=message):
+            list(wdsraft.ShardSampleReader(url))
+
+
+@pytest.mark.parametrize("suffix", ["tar.gz", "tar.bz2", "tar.xz"])
+def test_damaged_compressed_shards_are_format_errors(tmp_path: Path, good_shard, suffix: str) -> None:
+    _data, _ = good_shard
+    source = str(tmp_path / f"source.{suffix}")
+    with wdsraft.TarWriter(source) as sink:
+        for sample in corpus_samples([{"id": str(n), "text": "t" * 3000} for n in range(30)]):
+            sink.write(sample)
+    stored = Path(source).read_bytes()
+    truncated = _write(tmp_path, f"cut.{suffix}", stored[: len(stored) // 2])
+    with pytest.raises(wdsraft.TarFormatError, match=r"cannot read the stream|truncated|end"):
+        list(wdsraft.ShardSampleReader(truncated))
+    garbled = bytearray(stored)
+    garbled[len(garbled) // 2 : len(garbled) // 2 + 64] = bytes(64)
+    url = _write(tmp_path, f"garbled.{suffix}", bytes(garbled))
+    with pytest.raises(wdsraft.TarFormatError):
+        list(wdsraft.ShardSampleReader(url))
+    with pytest.raises(wdsraft.TarFormatError, match="before offset"):
+        list(wdsraft.ShardSampleReader(source, offset=10**9, ordinal=0))

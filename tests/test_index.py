@@ -5,9 +5,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import textwrap
 from pathlib import Path
 
@@ -188,3 +190,53 @@ def test_cli_ls_seeks_through_the_index(tmp_path: Path, corpus_records, capsys) 
     assert cli_main(["ls", url, "--ordinal", "15", "--limit", "2"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[1].startswith("15\t") and "00000015" in lines[1] and len(lines) == 3
+
+
+@pytest.mark.skipif(shutil.which("tar") is None, reason="GNU tar not installed")
+def test_index_covers_bytes_after_the_end_blocks(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("a")
+    shard = tmp_path / "big-blocking.tar"
+    subprocess.run(["tar", "-b", "4096", "-cf", str(shard), "-C", str(tmp_path), "a.txt"], check=True)
+    index = wdsraft.build_index(str(shard))
+    assert index.size == shard.stat().st_size == 2 << 20
+    assert index.sha256 == hashlib.sha256(shard.read_bytes()).hexdigest()
+
+
+def test_writer_index_follows_what_readers_see(tmp_path: Path) -> None:
+    url = str(tmp_path / "odd.tar")
+    with wdsraft.TarWriter(url) as sink:
+        for sample in (
+            {"__key__": "a", "txt": "1"},
+            {"__key__": "empty"},  # writes nothing
+            {"__key__": "a", "jpg": b"2"},  # same key again: readers merge it into "a"
+            {"__key__": "x.1", "txt": "3"},  # keys with dots: readers see key "x"
+            {"__key__": "x.2", "txt": "4"},
+            {"__key__": "m", "_meta": "skipped"},
+        ):
+            sink.write(sample)
+    assert wdsraft.ShardIndex.load(url) == wdsraft.build_index(url)
+    assert wdsraft.ShardIndex.load(url).num_samples == len(list(wdsraft.ShardSampleReader(url))) == 2
+
+
+def test_writer_edge_inputs(tmp_path: Path) -> None:
+    import numpy as np
+
+    url = str(tmp_path / "mv.tar")
+    with wdsraft.TarWriter(url, format=tarfile.USTAR_FORMAT, encoder=False) as sink:
+        sink.write({"__key__": "a", "bin": memoryview(np.arange(4.0))})
+    (sample,) = wdsraft.ShardSampleReader(url)
+    assert sample["bin"] == np.arange(4.0).tobytes()
+    assert Path(url).read_bytes()[257:263] == b"ustar\x00"  # format=0 (USTAR) honoured, not taken as "unset"
+    target = tmp_path / "piped.tar"
+    with wdsraft.TarWriter(f"pipe:cat > {target}") as sink:
+        sink.write({"__key__": "a", "txt": "x"})
+    assert [s["__key__"] for s in wdsraft.ShardSampleReader(str(target))] == ["a"]
+    assert not (tmp_path / "piped.tar.idx").exists() and not list(Path.cwd().glob("pipe:*"))
+
+
+def test_aborted_s3_write_leaves_no_object(s3_bucket) -> None:
+    with pytest.raises(RuntimeError), wdsraft.TarWriter(f"s3://{s3_bucket}/a.tar") as sink:
+        sink.write({"__key__": "a", "txt": "x"})
+        raise RuntimeError("crash")
+    listing = boto3.client("s3").list_objects_v2(Bucket=s3_bucket)
+    assert listing.get("KeyCount", 0) == 0

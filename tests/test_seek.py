@@ -122,3 +122,25 @@ def test_webdataset_reads_through_wdsraft_gopen_from_s3(shard, s3_bucket) -> Non
     with wdsraft.gopen(f"s3://{s3_bucket}/shard.tar") as stream:
         samples = list(webdataset.tariterators.tar_file_iterator(stream))
     assert len(samples) == 2 * len(full)
+
+
+def test_compression_is_recognised_by_content_not_name(tmp_path: Path, corpus_records) -> None:
+    """A gzipped shard without a .gz name resumes; a plain tar named .gz reads (as webdataset reads it)."""
+    samples = corpus_samples(corpus_records, 20)
+    hidden = str(tmp_path / "hidden-gzip.tar")
+    with open(hidden, "wb") as raw, wdsraft.TarWriter(raw, compress=True) as sink:
+        for sample in samples:
+            sink.write(sample)
+    full = list(wdsraft.ShardSampleReader(hidden))
+    for ordinal in (7, 19):
+        tail = list(wdsraft.ShardSampleReader(hidden, offset=full[ordinal]["__offset__"], ordinal=ordinal))
+        assert tail == full[ordinal:]
+    plain_named_gz = str(tmp_path / "plain.tar.gz")
+    with wdsraft.TarWriter(plain_named_gz, compress=False) as sink:
+        for sample in samples:
+            sink.write(sample)
+    assert [s["__key__"] for s in wdsraft.ShardSampleReader(plain_named_gz)] == [s["__key__"] for s in samples]
+    named_like_bzip2 = str(tmp_path / "bzlike.tar")
+    with wdsraft.TarWriter(named_like_bzip2) as sink:
+        sink.write({"__key__": "BZh9_sample", "txt": "not compressed"})
+    assert [s["__key__"] for s in wdsraft.ShardSampleReader(named_like_bzip2)] == ["BZh9_sample"]

@@ -1,9 +1,30 @@
-"""wdsraft: WebDataset-compatible tar shards with positions, indexes and exact resume."""
+"""wdsraft: a drop-in for webdataset with positions, indexes and exact, checkpointable resume.
+
+``import wdsraft as wds`` gives webdataset 1.0.2's names. Stages that hold items between
+outputs (shard lists, the tar reader, shuffles, batching, ``WebLoader``) are wdsraft's own
+and checkpointable; stateless ones (decoders, ``map``, ``to_tuple``...) are webdataset's.
+"""
 
 from __future__ import annotations
 
 import logging
 
+from webdataset import tenbin, utils
+from webdataset.autodecode import (
+    Continue,
+    Decoder,
+    DecodingError,
+    gzfilter,
+    handle_extension,
+    imagehandler,
+    pytorch_weights_only,
+    torch_audio,
+    torch_loads,
+    torch_video,
+)
+from webdataset.cache import LRUCleanup, pipe_cleaner
+from webdataset.extradatasets import MockDataset, with_epoch, with_length
+from webdataset.gopen import gopen_schemes
 from webdataset.handlers import (
     ignore_and_continue,
     ignore_and_stop,
@@ -11,35 +32,144 @@ from webdataset.handlers import (
     warn_and_continue,
     warn_and_stop,
 )
+from webdataset.mix import RandomMix, RoundRobin
+from webdataset.utils import PipelineStage, repeatedly
+from webdataset.writer import numpy_dumps, torch_dumps
 
+from . import autodecode, cache, extradatasets, handlers, mix, pytorch  # noqa: F401 - webdataset's submodule names
+from .compat import FluidInterface, FluidWrapper, WebDataset, WebLoader
 from .errors import IndexFormatError, TarFormatError
+from .filters import (
+    Cached,
+    LMDBCached,
+    associate,
+    batched,
+    decode,
+    detshuffle,
+    extract_keys,
+    getfirst,
+    info,
+    map,
+    map_dict,
+    map_tuple,
+    pipelinefilter,
+    rename,
+    rename_keys,
+    rsample,
+    select,
+    shuffle,
+    slice,
+    to_tuple,
+    transform_with,
+    unbatched,
+    unlisted,
+    xdecode,
+)
 from .gopen import gopen, open_shard
 from .index import Manifest, ShardIndex, build_index
+from .pipeline import DataPipeline, Stage
 from .positions import Position
-from .tariterators import ShardSampleReader, tarfile_samples, tarfile_to_samples
+from .shardlists import (
+    MultiShardSample,
+    ResampledShards,
+    SimpleShardList,
+    non_empty,
+    resampled,
+    shardspec,
+    single_node_only,
+    split_by_node,
+    split_by_worker,
+)
+from .state import StateMismatchError
+from .tariterators import ShardSampleReader, TarfileToSamples, tarfile_samples, tarfile_to_samples
 from .writer import ShardWriter, TarWriter
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Cached",
+    "Continue",
+    "DataPipeline",
+    "Decoder",
+    "DecodingError",
+    "FluidInterface",
+    "FluidWrapper",
     "IndexFormatError",
+    "LMDBCached",
+    "LRUCleanup",
     "Manifest",
+    "MockDataset",
+    "MultiShardSample",
+    "PipelineStage",
     "Position",
+    "RandomMix",
+    "ResampledShards",
+    "RoundRobin",
     "ShardIndex",
     "ShardSampleReader",
     "ShardWriter",
+    "SimpleShardList",
+    "Stage",
+    "StateMismatchError",
     "TarFormatError",
     "TarWriter",
+    "TarfileToSamples",
+    "WebDataset",
+    "WebLoader",
+    "associate",
+    "batched",
     "build_index",
+    "decode",
+    "detshuffle",
+    "extract_keys",
+    "getfirst",
     "gopen",
+    "gopen_schemes",
+    "gzfilter",
+    "handle_extension",
     "ignore_and_continue",
     "ignore_and_stop",
+    "imagehandler",
+    "info",
+    "map",
+    "map_dict",
+    "map_tuple",
+    "non_empty",
+    "numpy_dumps",
     "open_shard",
+    "pipe_cleaner",
+    "pipelinefilter",
+    "pytorch_weights_only",
+    "rename",
+    "rename_keys",
+    "repeatedly",
     "reraise_exception",
+    "resampled",
+    "rsample",
+    "select",
+    "shardspec",
+    "shuffle",
+    "single_node_only",
+    "slice",
+    "split_by_node",
+    "split_by_worker",
     "tarfile_samples",
     "tarfile_to_samples",
+    "tenbin",
+    "to_tuple",
+    "torch_audio",
+    "torch_dumps",
+    "torch_loads",
+    "torch_video",
+    "transform_with",
+    "unbatched",
+    "unlisted",
+    "utils",
     "warn_and_continue",
     "warn_and_stop",
+    "with_epoch",
+    "with_length",
+    "xdecode",
 ]
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())

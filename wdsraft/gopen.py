@@ -17,11 +17,11 @@ from __future__ import annotations
 import bz2
 import functools
 import gzip
-import io
 import logging
 import lzma
 import os
 import shutil
+import zlib
 from typing import IO, Any, BinaryIO, cast
 from urllib.parse import urlparse
 from urllib.request import url2pathname
@@ -29,16 +29,9 @@ from urllib.request import url2pathname
 from webdataset.gopen import Pipe, rewrite_url
 from webdataset.gopen import gopen as webdataset_gopen
 
-logger = logging.getLogger(__name__)
+from .errors import TarFormatError
 
-_MAGIC = (
-    (b"\x1f\x8b", "gzip"),
-    (b"BZh", "bz2"),
-    (b"\xfd7zXZ\x00", "xz"),
-    (b"\x28\xb5\x2f\xfd", "zstd"),
-)
-_SUFFIXES = {".gz": "gzip", ".tgz": "gzip", ".bz2": "bz2", ".xz": "xz", ".zst": "zstd", ".zstd": "zstd"}
-_SEEKABLE_SCHEMES = ("", "file", "s3", "http", "https")
+logger = logging.getLogger(__name__)
 
 
 def s3_endpoint_url() -> str | None:
@@ -95,15 +88,6 @@ def gopen(url: str, mode: str = "rb", bufsize: int = 8192, **kw: Any) -> IO[byte
     return cast(IO[bytes], webdataset_gopen(url, mode, bufsize, **kw))
 
 
-def compression_of(url: str) -> str | None:
-    """The compression a shard's name announces (``.tar.gz``, ``.tgz``, ``.tar.zst``...)."""
-    path = urlparse(url).path or url
-    for suffix, kind in _SUFFIXES.items():
-        if path.endswith(suffix):
-            return kind
-    return None
-
-
 def decompress_stream(kind: str, raw: IO[bytes]) -> IO[bytes]:
     if kind == "gzip":
         return cast(IO[bytes], gzip.GzipFile(fileobj=raw, mode="rb"))
@@ -118,7 +102,7 @@ def decompress_stream(kind: str, raw: IO[bytes]) -> IO[bytes]:
     raise ValueError(f"unknown compression {kind}")
 
 
-class _Prefixed:
+class PrefixedStream:
     """A read-only stream that first returns bytes already read (for sniffing), then the rest."""
 
     def __init__(self, prefix: bytes, stream: IO[bytes]):
@@ -145,30 +129,53 @@ class _Prefixed:
         return bool(getattr(self._stream, "closed", False))
 
 
-def _open_raw(url: str, offset: int) -> tuple[IO[bytes], int]:
-    """Open the raw bytes of a shard; returns the stream and the offset it stands at."""
+def _open_raw(url: str, offset: int) -> IO[bytes]:
+    """Open the stored bytes of a shard from the start; ``offset`` says where the caller will go next
+    (a whole-shard read may stream through s5cmd; a later seek needs a seekable reader)."""
     url = rewrite_url(url)
     parsed = urlparse(url)
     if parsed.scheme in ("", "file"):
         path = url if parsed.scheme == "" else url2pathname(parsed.path)
-        stream: IO[bytes] = open(path, "rb", buffering=0)  # noqa: SIM115 - handed to the caller
-        if offset:
-            stream.seek(offset)
-        return stream, offset
+        return open(path, "rb", buffering=0)
     if parsed.scheme == "s3":
         binary = _s5cmd_binary() if offset == 0 else None
         if binary is not None:
-            return _s5cmd_cat(binary, url), 0
-        stream = _smart_open(url, "rb")
-        if offset:
-            stream.seek(offset)  # smart_open turns this into a Range request
-        return stream, offset
+            return _s5cmd_cat(binary, url)
+        return _smart_open(url, "rb")
     if parsed.scheme in ("http", "https"):
-        stream = _smart_open(url, "rb")
-        if offset:
-            stream.seek(offset)
-        return stream, offset
-    return cast(IO[bytes], webdataset_gopen(url, "rb")), 0
+        return _smart_open(url, "rb")
+    return cast(IO[bytes], webdataset_gopen(url, "rb"))
+
+
+def sniff_compression(head: bytes) -> str | None:
+    """The compression of a stream from its first 10 bytes, or None for a plain tar."""
+    if head[:3] == b"\x1f\x8b\x08":
+        return "gzip"
+    if head[:3] == b"BZh" and head[3:4].isdigit() and head[4:10] == b"1AY&SY":
+        return "bz2"
+    if head[:6] == b"\xfd7zXZ\x00":
+        return "xz"
+    if head[:4] == b"\x28\xb5\x2f\xfd":
+        return "zstd"
+    return None
+
+
+def _read_head(stream: IO[bytes], count: int = 10) -> bytes:
+    head = b""
+    while len(head) < count:
+        chunk = stream.read(count - len(head))
+        if not chunk:
+            break
+        head += chunk
+    return head
+
+
+def _can_seek(stream: IO[bytes]) -> bool:
+    seekable = getattr(stream, "seekable", None)
+    try:
+        return bool(seekable()) if seekable is not None else False
+    except (OSError, ValueError):
+        return False
 
 
 def discard(stream: IO[bytes], count: int, url: str) -> None:
@@ -177,48 +184,36 @@ def discard(stream: IO[bytes], count: int, url: str) -> None:
         return
     logger.info("%s: stream cannot seek; reading and discarding %d bytes", url, count)
     left = count
-    while left > 0:
-        chunk = stream.read(min(left, 1 << 22))
-        if not chunk:
-            raise EOFError(f"{url}: stream ended after {count - left} bytes while skipping to offset {count}")
-        left -= len(chunk)
+    try:
+        while left > 0:
+            chunk = stream.read(min(left, 1 << 22))
+            if not chunk:
+                raise TarFormatError(url, count - left, f"stream ends before offset {count}")
+            left -= len(chunk)
+    except (EOFError, OSError, lzma.LZMAError, zlib.error) as exn:
+        raise TarFormatError(url, count - left, f"cannot read the stream ({type(exn).__name__}: {exn})") from exn
 
 
 def open_shard(url: str, offset: int = 0) -> IO[bytes]:
     """Open a shard as an uncompressed tar stream positioned at ``offset``.
 
-    Compressed shards (named ``.gz``/``.tgz``/``.bz2``/``.xz``/``.zst``, or recognised by
-    their magic bytes when read from the start) are decompressed on the fly; offsets
-    count uncompressed bytes, so seeking into them decompresses up to the offset.
+    Compressed shards (gzip, bz2, xz, zstd) are recognised by their first bytes, whatever
+    their name, and decompressed on the fly; offsets count uncompressed bytes, so seeking
+    into them decompresses up to the offset. Plain shards seek (local ``seek``, HTTP/S3
+    ``Range``) where the transport can, and otherwise read and discard up to the offset.
     """
-    kind = compression_of(url)
-    if kind is not None or offset == 0:
-        raw, _ = _open_raw(url, 0)
-        if kind is None:
-            head = raw.read(8)
-            kind = next((name for magic, name in _MAGIC if head.startswith(magic)), None)
-            if isinstance(raw, io.FileIO):
-                raw.seek(0)
-            else:
-                raw = cast(IO[bytes], _Prefixed(head, raw))
-        if kind is None:
-            return raw
-        stream = decompress_stream(kind, raw)
-        try:
-            discard(stream, offset, url)
-        except BaseException:
-            stream.close()
-            raise
-        return stream
-    raw, position = _open_raw(url, offset)
+    raw = _open_raw(url, offset)
     try:
-        discard(raw, offset - position, url)
+        head = _read_head(raw)
+        kind = sniff_compression(head)
+        if kind is None and _can_seek(raw):
+            raw.seek(offset)
+            return raw
+        stream: IO[bytes] = cast(IO[bytes], PrefixedStream(head, raw))
+        if kind is not None:
+            stream = decompress_stream(kind, stream)
+        discard(stream, offset, url)
+        return stream
     except BaseException:
         raw.close()
         raise
-    return raw
-
-
-def seekable_scheme(url: str) -> bool:
-    """Whether ``open_shard`` reaches an offset without reading what comes before it."""
-    return compression_of(url) is None and urlparse(url).scheme in _SEEKABLE_SCHEMES

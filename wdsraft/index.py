@@ -21,13 +21,13 @@ import sys
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO, Any, cast
 from urllib.parse import urlparse
 
 import msgpack
 
 from .errors import IndexFormatError
-from .gopen import compression_of, decompress_stream, gopen, open_shard
+from .gopen import PrefixedStream, decompress_stream, gopen, sniff_compression
 from .storage import write_bytes_atomic
 from .tariterators import ShardSampleReader
 
@@ -149,34 +149,25 @@ class _HashingReader:
 
 
 def build_index(url: str, checksum: bool = True) -> ShardIndex:
-    """Read a shard once and return its index (offsets, size, sha256)."""
-    compression = compression_of(url)
-    if checksum or compression is not None:
-        hashing = _HashingReader(gopen(url, "rb"))
-        stream: IO[bytes] = hashing  # type: ignore[assignment]
+    """Read a shard once and return its index (offsets, size, sha256 of the stored bytes)."""
+    hashing = _HashingReader(gopen(url, "rb"))
+    try:
+        head = b""
+        while len(head) < 10 and (chunk := hashing.read(10 - len(head))):
+            head += chunk
+        compression = sniff_compression(head)
+        stream: IO[bytes] = cast(IO[bytes], PrefixedStream(head, cast(IO[bytes], hashing)))
         if compression is not None:
             stream = decompress_stream(compression, stream)
-    else:
-        hashing = None
-        stream = open_shard(url)
-    reader = ShardSampleReader(url, stream=stream, skip_meta=None)
-    offsets = array("Q")
-    for sample in reader:
-        offsets.append(sample["__offset__"])
-    offsets.append(reader.next_offset)
-    if hashing is not None:
-        size, sha256 = hashing.count, hashing.digest.hexdigest() if checksum else None
-    else:
-        size, sha256 = _stored_size(url), None
-    return ShardIndex(posixpath.basename(urlparse(url).path or url), offsets, size, sha256, compression)
-
-
-def _stored_size(url: str) -> int:
-    with gopen(url, "rb") as stream:
-        total = 0
-        while chunk := stream.read(1 << 22):
-            total += len(chunk)
-    return total
+        reader = ShardSampleReader(url, stream=stream, skip_meta=None)
+        offsets = array("Q", (sample["__offset__"] for sample in reader))
+        offsets.append(reader.next_offset)
+        while hashing.read(1 << 22):  # whatever follows the end blocks still belongs to the file
+            pass
+    finally:
+        hashing.close()
+    sha256 = hashing.digest.hexdigest() if checksum else None
+    return ShardIndex(posixpath.basename(urlparse(url).path or url), offsets, hashing.count, sha256, compression)
 
 
 # ---------------------------------------------------------------------------------------------

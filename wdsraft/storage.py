@@ -27,6 +27,10 @@ def local_path(url: str) -> str | None:
     return None
 
 
+def is_s3(url: str) -> bool:
+    return url.startswith("s3://")
+
+
 class AtomicLocalFile:
     """A binary file written under a temporary name and renamed into place on ``close``."""
 

@@ -11,7 +11,9 @@ non-regular members. Offsets are byte offsets in the *uncompressed* tar stream.
 from __future__ import annotations
 
 import io
+import lzma
 import tarfile
+import zlib
 from collections.abc import Iterator
 from typing import IO, Any, NamedTuple
 
@@ -29,6 +31,7 @@ _PAX_GLOBAL = b"g"
 _GNU_LONGNAME = b"L"
 _GNU_LONGLINK = b"K"
 _SPARSE_TYPES = frozenset((b"S",))
+_MAX_READ = 64 << 20
 
 
 class TarMember(NamedTuple):
@@ -133,15 +136,23 @@ class TarMemberReader:
         for batch in self.batches():
             yield from batch
 
-    def _read(self, n: int) -> bytes:
-        """Read up to n bytes, looping over short reads (pipes, sockets, decompressors)."""
+    def _read(self, n: int, offset: int | None = None) -> bytes:
+        """Read up to n bytes, looping over short reads (pipes, sockets, decompressors).
+
+        A size read from a header is not trusted with one allocation: reads go in chunks of
+        at most 64 MiB, so a corrupt size meets the end of the stream instead of exhausting memory.
+        """
         chunks = []
-        while n > 0:
-            chunk = self.fileobj.read(n)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            n -= len(chunk)
+        try:
+            while n > 0:
+                chunk = self.fileobj.read(min(n, _MAX_READ))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                n -= len(chunk)
+        except (EOFError, OSError, lzma.LZMAError, zlib.error) as exn:
+            where = self.end_offset if offset is None else offset
+            raise TarFormatError(self.url, where, f"cannot read the stream ({type(exn).__name__}: {exn})") from exn
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     def batches(self) -> Iterator[list[TarMember]]:
@@ -151,7 +162,7 @@ class TarMemberReader:
         base = self.start_offset
         while True:
             if len(buf) - pos < BLOCK:
-                buf = buf[pos:] + self._read(max(self.block_size, BLOCK))
+                buf = buf[pos:] + self._read(max(self.block_size, BLOCK), base + pos)
                 base += pos
                 pos = 0
                 if not buf:
@@ -224,11 +235,11 @@ class TarMemberReader:
                 consumed = available
             elif self._seekable:  # a local file: read the member straight into its own bytes, no copy
                 self.fileobj.seek(offset + BLOCK)
-                data = self._read(size)
+                data = self._read(size, offset)
                 consumed = len(data)
             else:  # one read for the rest, one copy at most
                 have = buf[pos + BLOCK :]
-                data = have + self._read(size - available)
+                data = have + self._read(size - available, offset)
                 consumed = len(data)
             if len(data) < size:
                 raise TarFormatError(url, offset, f"truncated member data ({len(data)} of {size} bytes)")
@@ -250,9 +261,12 @@ class TarMemberReader:
             except ValueError:
                 pass
         try:
-            return parse_number(field)
+            size = parse_number(field)
         except ValueError:
             raise TarFormatError(self.url, offset, "bad size field in header") from None
+        if size < 0:
+            raise TarFormatError(self.url, offset, f"negative member size {size}")
+        return size
 
     def _member(self, header: bytes, offset: int, data: bytes) -> TarMember | None:
         """Interpret one header and its data; returns the member it completes, if a regular file."""
@@ -263,10 +277,17 @@ class TarMemberReader:
             member: TarMember | None = TarMember(name, chain_start, data)
         elif typeflag == _PAX_LOCAL:
             records = parse_pax_records(data, self.url, offset)
+            if any(key.startswith("GNU.sparse.") for key in records):
+                raise TarFormatError(self.url, offset, "sparse members (GNU.sparse PAX records) are not supported")
             if "path" in records:
                 self._pending_name = records["path"]
             if "size" in records:
-                self._pending_size = int(records["size"])
+                try:
+                    self._pending_size = int(records["size"])
+                except ValueError:
+                    raise TarFormatError(self.url, offset, f"bad PAX size record {records['size']!r}") from None
+                if self._pending_size < 0:
+                    raise TarFormatError(self.url, offset, f"negative PAX size record {self._pending_size}")
             self._chain_start = chain_start
             return None  # the chain goes on with the member it describes
         elif typeflag == _GNU_LONGNAME:
@@ -351,10 +372,12 @@ class HeaderBuilder:
         self._mode_uid_gid = b"%07o\0%07o\0%07o\0" % (mode & 0o7777, 0, 0)
         self._middle = b"        0" + bytes(100) + magic + _field(user, 32) + _field(group, 32) + bytes(16)
         self._tail = bytes(155 + 12)
+        # Longer or non-ASCII owner names need PAX records in PAX format: tarfile decides those.
+        self._fast = all(name.isascii() and len(name) < 32 for name in (user, group))
 
     def build(self, name: str, size: int, mtime: int) -> bytes:
         encoded = name.encode("utf-8", "surrogateescape")
-        if len(encoded) >= 100 or not encoded.isascii() or size >= 8**11 or not 0 <= mtime < 8**11:
+        if not self._fast or len(encoded) >= 100 or not encoded.isascii() or size >= 8**11 or not 0 <= mtime < 8**11:
             return self._build_with_tarfile(name, size, mtime)
         header = b"".join(
             (

@@ -13,17 +13,20 @@ import logging
 import re
 from collections.abc import Callable, Iterable, Iterator
 from typing import IO, Any
+from urllib.parse import urlparse
 
-from webdataset.filters import pipelinefilter
 from webdataset.handlers import reraise_exception
 from webdataset.tariterators import base_plus_ext, group_by_keys, valid_sample
 
 from .gopen import open_shard
+from .pipeline import Address, Context, SourceStage
 from .positions import OFFSET_FIELD, ORDINAL_FIELD
+from .state import StateMismatchError, describe
 from .tarformat import TarMember, TarMemberReader
 
 __all__ = [
     "ShardSampleReader",
+    "TarfileToSamples",
     "base_plus_ext",
     "group_by_keys",
     "tar_file_expander",
@@ -43,7 +46,7 @@ DEFAULT_SKIP_META = r"__[^/]*__($|/)"
 _KEY_EXT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
 
 
-def _split_key(name: str) -> tuple[str | None, str]:
+def split_key(name: str) -> tuple[str | None, str]:
     """webdataset's ``base_plus_ext`` (key up to the basename's first dot, then the extension), without
     the regex in the common case."""
     slash = name.rfind("/")
@@ -54,6 +57,16 @@ def _split_key(name: str) -> tuple[str | None, str]:
         return name[:dot], name[dot + 1 :]
     match = _KEY_EXT.match(name)  # a basename starting with a dot: the regex has its own answer
     return (match.group(1), match.group(2)) if match else (None, "")
+
+
+_DEFAULT_META = re.compile(DEFAULT_SKIP_META)
+
+
+def is_meta_member(name: str) -> bool:
+    """Whether webdataset's reader skips this member by default (``__meta__`` files)."""
+    if "/" not in name and name.startswith("__") and name.endswith("__"):
+        return True
+    return _DEFAULT_META.match(name) is not None
 
 
 def _members(reader: TarMemberReader) -> Iterator[TarMember]:
@@ -100,9 +113,11 @@ class ShardSampleReader:
         self.next_ordinal = ordinal
         #: True once the whole shard has been read.
         self.exhausted = False
+        #: True when the handler asked to stop everything (not just this shard).
+        self.stopped = False
 
     def _is_meta(self, name: str) -> bool:
-        if "/" not in name and name.endswith("__"):  # webdataset's top-level __meta__ files
+        if "/" not in name and name.startswith("__") and name.endswith("__"):  # webdataset's __meta__ files
             return True
         return self.skip_meta is not None and self.skip_meta.match(name) is not None
 
@@ -111,42 +126,47 @@ class ShardSampleReader:
         try:
             members = TarMemberReader(stream, self.url, self.start_offset, self.block_size)
             yield from self._group(members)
-            self.next_offset = members.end_offset
-            self.exhausted = True
+            if not self.stopped:
+                self.next_offset = members.end_offset
+                self.exhausted = True
         finally:
-            stream.close()
+            if self._stream is None:  # close only what we opened
+                stream.close()
 
     def _group(self, members: TarMemberReader) -> Iterator[dict[str, Any]]:
         url = self.url
         rename, select = self.rename_files, self.select_files
+        # The default pattern only matches names starting with "__": test that first, it is the hot loop.
+        meta_prefix_only = self.skip_meta is None or self.skip_meta.pattern == DEFAULT_SKIP_META
         ordinal = self.next_ordinal - 1
         raw_key: str | None = None  # the key before renaming: ordinals follow the shard as written
         group_offset = self.start_offset
         current: dict[str, Any] | None = None
         try:
             for name, offset, data in _members(members):
-                if name[:2] == "__" and self._is_meta(name):
+                if (name[:2] == "__" or not meta_prefix_only) and self._is_meta(name):
                     continue
-                prefix, suffix = _split_key(name)
-                if prefix is None:
-                    continue  # no extension: webdataset drops such members
-                if prefix != raw_key:
-                    raw_key = prefix
+                raw_prefix, _ = split_key(name)
+                if raw_prefix is not None and raw_prefix != raw_key:
+                    raw_key = raw_prefix
                     ordinal += 1
                     group_offset = offset
                 if rename is not None:
                     name = rename(name)
-                    prefix, suffix = _split_key(name)
-                    if prefix is None:
-                        continue
+                prefix, suffix = split_key(name) if rename is not None else (raw_prefix, _)
+                if prefix is None:
+                    continue  # no extension: webdataset drops such members
                 if select is not None and not select(name):
                     continue
                 suffix = suffix.lower()
                 if current is None or prefix != current["__key__"]:
+                    # A sample normally starts where its raw group starts; one that a rename split off
+                    # mid-group starts at its own first member (resuming there yields it first).
+                    start = group_offset if current is None or current[OFFSET_FIELD] != group_offset else offset
                     if current is not None:
-                        self.next_offset, self.next_ordinal = group_offset, ordinal
+                        self.next_offset, self.next_ordinal = start, max(ordinal, 0)
                         yield current
-                    current = {"__key__": prefix, "__url__": url, ORDINAL_FIELD: ordinal, OFFSET_FIELD: group_offset}
+                    current = {"__key__": prefix, "__url__": url, ORDINAL_FIELD: max(ordinal, 0), OFFSET_FIELD: start}
                 if suffix in current:
                     error = ValueError(
                         f"{name}: duplicate file name in tar file {suffix} {current.keys()} "
@@ -154,6 +174,8 @@ class ShardSampleReader:
                     )
                     if self.handler(error):
                         continue
+                    self.stopped = True  # as webdataset: a handler that says stop ends the whole stream
+                    self.next_offset, self.next_ordinal = offset, max(ordinal, 0)
                     break
                 current[suffix] = data
         except Exception:
@@ -163,7 +185,8 @@ class ShardSampleReader:
                 yield current
             raise
         if current is not None:
-            self.next_offset, self.next_ordinal = members.end_offset, ordinal + 1
+            if not self.stopped:
+                self.next_offset, self.next_ordinal = members.end_offset, ordinal + 1
             yield current
 
 
@@ -200,9 +223,136 @@ def tarfile_samples(
             if handler(exn):
                 continue
             break
+        if reader.stopped:
+            break
 
 
-tarfile_to_samples = pipelinefilter(tarfile_samples)
+class TarfileToSamples(SourceStage):
+    """The pipeline stage that turns a stream of shard URLs into samples, checkpointably.
+
+    Its state is how many shards it has started this epoch, the current shard, and the
+    byte offset and ordinal of the next sample: resuming seeks straight there. Items it
+    hands out are addressed by ``(url, ordinal, offset)``, so buffering stages downstream
+    save positions and re-read them on restore.
+    """
+
+    def __init__(
+        self,
+        handler: Handler = reraise_exception,
+        select_files: Callable[[str], bool] | None = None,
+        rename_files: Callable[[str], str] | None = None,
+        local_path: bool = False,
+    ):
+        self.handler = handler
+        self.select_files = select_files
+        self.rename_files = rename_files
+        self.local_path = local_path  # add __local_path__ for local shards, as webdataset.WebDataset does
+        self._live: dict[str, Any] = self._fresh()
+
+    @staticmethod
+    def _fresh() -> dict[str, Any]:
+        return {"shards_started": 0, "url": None, "offset": 0, "ordinal": 0, "done": False}
+
+    def config(self) -> dict[str, Any]:
+        return {"select_files": describe(self.select_files), "rename_files": describe(self.rename_files)}
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self._live)
+
+    def run(self, ctx: Context, src: Iterator[Any] | None, state: dict[str, Any] | None) -> Iterator[dict[str, Any]]:
+        if src is None:
+            raise ValueError("tarfile_to_samples needs a stream of shard URLs before it")
+        self._live = self._fresh()
+        return self._samples(ctx, src, state)
+
+    def _reader(self, url: str, offset: int, ordinal: int) -> ShardSampleReader:
+        return ShardSampleReader(
+            url,
+            offset=offset,
+            ordinal=ordinal,
+            handler=self.handler,
+            select_files=self.select_files,
+            rename_files=self.rename_files,
+        )
+
+    def _samples(self, ctx: Context, src: Iterator[Any], resume: dict[str, Any] | None) -> Iterator[dict[str, Any]]:
+        live = self._live
+        started = 0
+        for source in src:
+            url = source["url"] if isinstance(source, dict) else source
+            started += 1
+            offset, ordinal = (
+                (source.get("offset", 0), source.get("ordinal", 0)) if isinstance(source, dict) else (0, 0)
+            )
+            if resume is not None and started <= resume["shards_started"]:
+                if started < resume["shards_started"]:
+                    continue  # finished before the checkpoint: not even opened
+                if url != resume["url"]:
+                    raise StateMismatchError(
+                        f"shard #{started} of this epoch is {url}, but the saved state was reading {resume['url']}: "
+                        "the shard list or its order changed"
+                    )
+                offset, ordinal = resume["offset"], resume["ordinal"]
+                if resume["done"]:
+                    live.update(resume)
+                    continue
+            live.update(shards_started=started, url=url, offset=offset, ordinal=ordinal, done=False)
+            reader = self._reader(url, offset, ordinal)
+            local = _local_path(url) if self.local_path else None
+            try:
+                for sample in reader:
+                    live["offset"], live["ordinal"] = reader.next_offset, reader.next_ordinal
+                    if local is not None:
+                        sample["__local_path__"] = local
+                    ctx.stamp((url, sample[ORDINAL_FIELD], sample[OFFSET_FIELD], 0))
+                    yield sample
+            except Exception as exn:
+                if not (exn.args and str(url) in str(exn.args[0])):
+                    exn.args = (*exn.args, url)
+                if not self.handler(exn):
+                    live["done"] = True
+                    return
+            live["done"] = True
+            if reader.stopped:
+                return
+        if resume is not None and started < resume["shards_started"]:
+            raise StateMismatchError(
+                f"the saved state had started {resume['shards_started']} shards this epoch, but only {started} remain"
+            )
+
+    def rematerialize(self, addresses: list[Address]) -> list[Any]:
+        """Re-read samples by (url, ordinal, offset): one forward read per shard, from the first wanted offset."""
+        wanted: dict[str, dict[int, list[int]]] = {}
+        for slot, (url, _ordinal, offset, _sub) in enumerate(addresses):
+            wanted.setdefault(url, {}).setdefault(offset, []).append(slot)
+        found: list[Any] = [None] * len(addresses)
+        for url, by_offset in wanted.items():
+            first = min(by_offset)
+            first_ordinal = next(addresses[slots[0]][1] for off, slots in by_offset.items() if off == first)
+            remaining = len(by_offset)
+            local = _local_path(url) if self.local_path else None
+            for sample in self._reader(url, first, first_ordinal):
+                slots = by_offset.get(sample[OFFSET_FIELD])
+                if slots is None:
+                    continue
+                if local is not None:
+                    sample["__local_path__"] = local
+                for slot in slots:
+                    found[slot] = sample if slot == slots[0] else dict(sample)
+                remaining -= 1
+                if remaining == 0:
+                    break
+            if remaining:
+                raise StateMismatchError(f"{url}: {remaining} saved sample positions were not found in the shard")
+        return found
+
+
+def _local_path(url: str) -> str | None:
+    parsed = urlparse(url)
+    return parsed.path if parsed.scheme in ("", "file") else None
+
+
+tarfile_to_samples = TarfileToSamples
 
 
 def url_opener(

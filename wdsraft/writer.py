@@ -28,8 +28,9 @@ from typing import IO, Any, cast
 from webdataset.writer import make_encoder
 
 from .index import MANIFEST_NAME, Manifest, ShardIndex, relative_to
-from .storage import open_atomic
+from .storage import is_s3, local_path, open_atomic
 from .tarformat import HeaderBuilder, end_of_archive, member_padding
+from .tariterators import is_meta_member, split_key
 
 __all__ = ["ShardWriter", "TarWriter"]
 
@@ -51,7 +52,9 @@ class _CountingSink:
         return len(data)
 
     def flush(self) -> None:
-        self.stream.flush()
+        flush = getattr(self.stream, "flush", None)  # webdataset's Pipe has none
+        if flush is not None:
+            flush()
 
     def close(self) -> None:
         self.stream.close()
@@ -109,10 +112,14 @@ class TarWriter:
         # headers, plus a PAX record only where a name or number needs one. That is our default too;
         # an explicit `format` is honoured. Integer mtimes keep tarfile from adding a PAX mtime
         # record to every member (webdataset's float mtimes cost about a third more bytes).
-        tar_format = getattr(tarfile, format, format) if format else tarfile.PAX_FORMAT
+        if format is None:
+            tar_format = tarfile.PAX_FORMAT
+        else:  # a tarfile constant, or its name ("GNU_FORMAT")
+            tar_format = getattr(tarfile, format) if isinstance(format, str) else format
         self.url: str | None = fileobj if isinstance(fileobj, str) else None
         self.compression = _compression(fileobj, compress)
-        self.save_index = index and self.url is not None
+        # An index goes beside shards stored as files or objects, not beside pipe: commands.
+        self.save_index = index and self.url is not None and (local_path(self.url) is not None or is_s3(self.url))
         self.encoder = make_encoder(encoder)
         self.keep_meta = keep_meta
         self.mtime = mtime
@@ -123,6 +130,7 @@ class TarWriter:
         self.stream = _compressor(self.compression, self._sink)
         self._offset = 0  # uncompressed bytes written so far
         self._offsets = array("Q")
+        self._last_key: str | None = None  # the key a reader sees for the last member written
         self.index: ShardIndex | None = None
         self._closed = False
 
@@ -150,7 +158,6 @@ class TarWriter:
             if not isinstance(v, (bytes, bytearray, memoryview)):
                 raise ValueError(f"{k} doesn't map to a bytes after encoding ({type(v)})")
         key = obj["__key__"]
-        self._offsets.append(self._offset)
         total = 0
         for k in sorted(obj.keys()):
             if k == "__key__" or (not self.keep_meta and k[0] == "_"):
@@ -160,13 +167,27 @@ class TarWriter:
                 value = value.encode("utf-8")
             if not isinstance(value, (bytes, bytearray, memoryview)):
                 raise ValueError(f"converter didn't yield bytes: {k}, {type(value)}")
+            value = bytes(value)  # a memoryview's len() counts items, not bytes
+            name = f"{key}.{k}"
+            self._note_sample_start(name)
             size = len(value)
             mtime = self.mtime if self.mtime is not None else time.time()
-            self._emit(self.headers.build(f"{key}.{k}", size, int(mtime)))
-            self._emit(bytes(value))
+            self._emit(self.headers.build(name, size, int(mtime)))
+            self._emit(value)
             self._emit(member_padding(size))
             total += size
         return total
+
+    def _note_sample_start(self, name: str) -> None:
+        """Record an index entry where a reader will see a new sample begin (which is not always
+        where a write() begins: an empty sample writes nothing, and keys with dots merge)."""
+        if is_meta_member(name):
+            return
+        reader_key, _ = split_key(name)
+        if reader_key is None or reader_key == self._last_key:
+            return
+        self._last_key = reader_key
+        self._offsets.append(self._offset)
 
     def close(self) -> None:
         """Finish the archive, commit the file, save the index."""
@@ -192,9 +213,11 @@ class TarWriter:
         if self._closed:
             return
         self._closed = True
-        abort = getattr(self._sink.stream, "abort", None)
-        if abort is not None:
-            abort()
+        stream = self._sink.stream
+        # Local files: drop the temporary file. S3 (smart_open): terminate the upload, so no object appears.
+        cancel = getattr(stream, "abort", None) or getattr(stream, "terminate", None)
+        if cancel is not None:
+            cancel()
         elif self._owns_stream:
             self._sink.close()
 

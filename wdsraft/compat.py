@@ -1,0 +1,271 @@
+"""``WebDataset``, ``WebLoader`` and the fluent interface, checkpointable.
+
+Same constructors, defaults, warnings and fluent methods as webdataset 1.0.2; with the same
+seeds and no state loaded, the same samples in the same order. On top: ``state_dict()``,
+``load_state_dict()`` and ``set_epoch()``; shard and sample shuffles that change every epoch
+(epoch 0 is webdataset's order).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import warnings
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import urlparse
+
+from torchdata.stateful_dataloader import StatefulDataLoader
+from webdataset import shardlists as webdataset_shardlists
+from webdataset.compat import FluidInterface as WebdatasetFluidInterface
+from webdataset.handlers import reraise_exception
+
+from . import filters
+from .pipeline import Address, Context, DataPipeline, SourceStage
+from .shardlists import ResampledShards, SimpleShardList, single_node_only, split_by_worker
+from .state import describe
+from .tariterators import TarfileToSamples
+
+__all__ = ["FluidInterface", "FluidWrapper", "WebDataset", "WebLoader"]
+
+
+class FluidInterface(WebdatasetFluidInterface):
+    """webdataset's fluent methods; those that hold items between outputs are checkpointable here."""
+
+    def batched(self, batchsize: int, collation_fn: Any = filters.default_collation_fn, partial: bool = True) -> Any:
+        return self.compose(filters.batched(batchsize, collation_fn=collation_fn, partial=partial))
+
+    def unbatched(self) -> Any:
+        return self.compose(filters.unbatched())
+
+    def listed(self, batchsize: int, partial: bool = True) -> Any:
+        return self.compose(filters.batched(batchsize=batchsize, collation_fn=None))
+
+    def unlisted(self) -> Any:
+        return self.compose(filters.unlisted())
+
+    def shuffle(self, size: int, **kw: Any) -> Any:
+        if size < 1:
+            return self
+        return self.compose(filters.shuffle(size, **kw))
+
+    def slice(self, *args: int | None) -> Any:
+        return self.compose(filters.slice(*args))
+
+
+class WebDataset(DataPipeline, FluidInterface):
+    """webdataset's ``WebDataset``: shard URLs -> split by node and worker -> shard shuffle -> samples.
+
+    Checkpointable with ``state_dict()``/``load_state_dict()``. Without ``seed``, a random
+    seed is drawn (as webdataset does) and carried in the state, so a restore into a
+    fresh ``WebDataset`` built the same way continues with it.
+    """
+
+    def __init__(
+        self,
+        urls: Any,
+        handler: Any = reraise_exception,
+        mode: str | None = None,
+        resampled: bool = False,
+        repeat: bool = False,
+        shardshuffle: Any = None,
+        cache_size: int = -1,
+        cache_dir: str | None = None,
+        url_to_name: Any = None,
+        detshuffle: bool = False,
+        nodesplitter: Any = single_node_only,
+        workersplitter: Any = split_by_worker,
+        select_files: Any = None,
+        rename_files: Any = None,
+        empty_check: bool = True,
+        verbose: bool = False,
+        seed: Any = None,
+    ):
+        super().__init__()
+        if resampled:
+            mode = "resampled"
+        if mode == "resampled" and shardshuffle not in (False, None):
+            warnings.warn("WebDataset(shardshuffle=...) is ignored for resampled datasets", stacklevel=2)
+        elif shardshuffle is None:
+            warnings.warn("WebDataset(shardshuffle=...) is None; set explicitly to False or a number", stacklevel=2)
+        if shardshuffle is True:
+            warnings.warn("set WebDataset(shardshuffle=...) to a positive integer or 0 or False", stacklevel=2)
+            shardshuffle = 100
+        cache_dir = os.environ.get("WDS_CACHE", cache_dir)
+        if cache_dir is not None and int(os.environ.get("WDS_CACHE_SIZE", cache_size)) != 0:
+            raise ValueError(
+                "wdsraft.WebDataset does not cache shards (cache_dir/WDS_CACHE); it seeks inside remote shards "
+                "instead. Drop cache_dir, or use webdataset.WebDataset for a local cache."
+            )
+        self.auto_seed = seed is None
+        self.seed = os.environ.get("WDS_SEED", random.randint(0, 1000000)) if seed is None else seed
+        self.shard_shuffle: filters.shuffle | None = None
+        self._add_url_source(urls, mode)
+        if nodesplitter is not None:
+            self.append(nodesplitter)
+        if workersplitter:
+            self.append(workersplitter)
+        if shardshuffle is not None:
+            if detshuffle:
+                self.shard_shuffle = filters.detshuffle(shardshuffle, seed=self.seed)
+            else:
+                self.shard_shuffle = filters.shuffle(shardshuffle, seed=self.seed)
+            self.append(self.shard_shuffle)
+        self.append(
+            TarfileToSamples(handler=handler, select_files=select_files, rename_files=rename_files, local_path=True)
+        )
+        if empty_check:
+            self.append(filters.check_empty())
+
+    def _add_url_source(self, urls: Any, mode: str | None) -> None:
+        if isinstance(urls, str) and urls.endswith((".yaml", ".yml")):
+            self.append(webdataset_shardlists.MultiShardSample(urls))
+        elif isinstance(urls, dict):
+            assert "datasets" in urls
+            self.append(webdataset_shardlists.MultiShardSample(urls))
+        elif isinstance(urls, str) and urls.endswith(".json"):
+            raise ValueError("unimplemented")
+        elif isinstance(urls, str) and urlparse(urls).path.endswith("/"):
+            self.append(webdataset_shardlists.DirectoryShardList(urls, mode=mode))
+        elif mode == "resampled":
+            self.append(ResampledShards(urls))
+        else:
+            self.append(SimpleShardList(urls))
+
+    def config(self) -> dict[str, Any]:
+        config = super().config()
+        config["seed"] = "auto" if self.auto_seed else describe(self.seed)
+        if self.auto_seed:  # the drawn seed travels in the state, not in the fingerprint
+            for stage in config["stages"]:
+                if isinstance(stage, dict) and stage.get("seed") == describe(self.seed):
+                    stage["seed"] = "auto"
+        return config
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state["seed"] = self.seed
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.auto_seed and "seed" in state:
+            self._use_seed(state["seed"])
+        super().load_state_dict(state)
+
+    def _use_seed(self, seed: Any) -> None:
+        self.seed = seed
+        if self.shard_shuffle is not None:
+            if isinstance(self.shard_shuffle, filters.detshuffle):
+                self.shard_shuffle.detseed = seed
+            else:
+                self.shard_shuffle.seed = seed
+
+    def __enter__(self) -> WebDataset:
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        self.close()
+
+
+class FluidWrapper(DataPipeline, FluidInterface):
+    """A fluent pipeline around any source (webdataset's ``FluidWrapper``)."""
+
+    def __init__(self, initial: Any):
+        super().__init__()
+        self.append(initial)
+
+
+class LoaderSource(SourceStage):
+    """A ``StatefulDataLoader`` as the source of a pipeline in the training process.
+
+    Its items (batches) are addressed by their number in the epoch. To save items that
+    stages after it hold (an ``unbatched().shuffle(n)`` buffer), it saves the loader's state
+    from just before the oldest batch they came from, plus how many batches to re-fetch:
+    a restore rolls the loader back that far and re-reads them (bounded by the buffer, not
+    by how far into the epoch the checkpoint is).
+    """
+
+    def __init__(self, loader: StatefulDataLoader):
+        self.loader = loader
+        self._snapshots: dict[int, dict[str, Any]] = {}
+        self._replayed: dict[int, Any] = {}
+        self._fetched = 0
+        self._ctx: Context | None = None
+
+    def config(self) -> dict[str, Any]:
+        loader = self.loader
+        return {
+            "dataset": describe(type(loader.dataset)),
+            "batch_size": loader.batch_size,
+            "num_workers": loader.num_workers,
+            "drop_last": loader.drop_last,
+        }
+
+    def run(self, ctx: Context, src: Iterator[Any] | None, state: dict[str, Any] | None) -> Iterator[Any]:
+        self._ctx = ctx
+        self._snapshots = {}
+        self._replayed = {}
+        self._fetched = 0
+        if state is not None:
+            self.loader.load_state_dict(state["loader"])
+            self._fetched = state["base"]
+        iterator = iter(self.loader)
+        # Re-fetch now the batches whose items the restored stages downstream hold: they ask for them
+        # before they pull anything from this stage.
+        for _ in range(state["replay"] if state is not None else 0):
+            self._snapshots[self._fetched] = self.loader.state_dict()
+            self._replayed[self._fetched] = next(iterator)
+            self._fetched += 1
+        return self._batches(ctx, iterator)
+
+    def _batches(self, ctx: Context, iterator: Iterator[Any]) -> Iterator[Any]:
+        while True:
+            self._snapshots[self._fetched] = self.loader.state_dict()
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                self._snapshots.pop(self._fetched, None)
+                return
+            serial = self._fetched
+            self._fetched += 1
+            ctx.stamp((serial, 0))
+            yield batch
+            if len(self._snapshots) > 64:
+                self._prune()
+
+    def _live_serials(self) -> list[int]:
+        assert self._ctx is not None
+        return [address[0] for address in self._ctx.live_addresses()]
+
+    def _prune(self) -> None:
+        live = self._live_serials()
+        oldest = min(live) if live else self._fetched
+        for serial in [s for s in self._snapshots if s < oldest]:
+            del self._snapshots[serial]
+            self._replayed.pop(serial, None)
+
+    def source_state(self, live_addresses: list[Address]) -> dict[str, Any]:
+        oldest = min((address[0] for address in live_addresses), default=self._fetched)
+        snapshot = self._snapshots.get(oldest)
+        if snapshot is None:  # nothing held: the loader's state now
+            snapshot, oldest = self.loader.state_dict(), self._fetched
+        return {"loader": snapshot, "base": oldest, "replay": self._fetched - oldest}
+
+    def rematerialize(self, addresses: list[Address]) -> list[Any]:
+        return [self._replayed[address[0]] for address in addresses]
+
+
+class WebLoader(DataPipeline, FluidInterface):
+    """webdataset's ``WebLoader``, on torchdata's ``StatefulDataLoader``.
+
+    Takes ``DataLoader``'s arguments. Fluent stages added to it (``.unbatched().shuffle(n)
+    .batched(b).with_epoch(n)``) run in the training process and are checkpointed with the
+    loader: ``state_dict()`` holds the loader's state (with each worker's dataset state)
+    and theirs.
+    """
+
+    def __init__(self, *args: Any, **kw: Any):
+        super().__init__(LoaderSource(StatefulDataLoader(*args, **kw)))
+
+    @property
+    def loader(self) -> StatefulDataLoader:
+        return self.pipeline[0].loader

@@ -1,0 +1,472 @@
+"""Checkpointable pipelines: webdataset's ``DataPipeline`` whose stages can save and restore what they hold.
+
+A pipeline is a list of stages, as in webdataset: a source, then callables that take an
+iterator and return one. Stages that hold nothing between two items (``map``,
+``decode``, ``to_tuple``...) are webdataset's own. Stages that hold something subclass
+:class:`Stage`: the tar reader (shard, next byte offset), ``shuffle`` (RNG + buffer),
+``batched`` (partial batch), ``slice`` (count)...
+
+**State.** ``state_dict()`` returns the state of the current iteration as plain data;
+``load_state_dict(state)`` makes the *next* ``iter()`` resume exactly there (the protocol
+torchdata's ``StatefulDataLoader`` uses for ``IterableDataset``s).
+
+**Items are saved as addresses.** A stage that buffers items saves where they came from,
+not their bytes: the *source* of the pipeline (the tar reader, or the DataLoader under a
+``WebLoader``) stamps each raw item with an address on the shared :class:`Context`; a
+buffering stage records the address of each item it takes in. On restore, the pipeline
+re-reads the raw items at those addresses (a byte seek into the shard) and passes them
+through the stateless stages that lie between the source and the buffering stage.
+Those stages must therefore be deterministic functions of their input.
+
+**Upstream of the source** (shard lists, node/worker splitting, shard shuffling) stages
+are deterministic functions of (seed, epoch, rank, worker): on restore they are replayed
+from the start of the epoch and the source skips the shards it had already begun.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import sys
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterator
+from itertools import islice
+from typing import Any
+
+from torch.utils.data import DataLoader, IterableDataset
+from webdataset.utils import PipelineStage
+
+from .distributed import WorkerInfo, worker_info
+from .state import STATE_FORMAT, STATE_VERSION, StateMismatchError, describe, differences, fingerprint
+
+logger = logging.getLogger(__name__)
+
+Address = tuple  # (source-specific fields..., sub-index)
+
+
+class Context:
+    """What the stages of one pipeline iteration share.
+
+    ``provenance`` is the address of the raw item the source handed out last (with a
+    sub-index of 0); ``serial`` changes with every raw item, so a stage that receives
+    several items from one raw item (after ``unbatched``, say) can number them.
+    """
+
+    def __init__(self, epoch: int, info: WorkerInfo):
+        self.epoch = epoch
+        self.info = info
+        self.provenance: Address | None = None
+        self.serial = 0
+        self.source: SourceStage | None = None
+        #: Raw items still referenced by buffered items, by source key (lets a source drop what it keeps).
+        self.live: Counter = Counter()
+        self.rematerializers: dict[int, Callable[[list[Address]], list[Any]]] = {}
+        self.stages: list[Any] = []
+
+    def stamp(self, address: Address) -> None:
+        self.provenance = address
+        self.serial += 1
+
+    def live_addresses(self) -> list[Address]:
+        """Addresses of every item the stages after the source hold right now."""
+        return [
+            address
+            for stage in self.stages
+            if isinstance(stage, Stage) and not isinstance(stage, SourceStage)
+            for address in stage.addresses()
+        ]
+
+
+class AddressTracker:
+    """Gives each item a stage receives its address (raw item address + sub-index)."""
+
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+        self._serial = -1
+        self._next_sub = 0
+
+    def address(self) -> Address | None:
+        ctx = self.ctx
+        if ctx.provenance is None:
+            return None
+        if ctx.serial != self._serial:
+            self._serial, self._next_sub = ctx.serial, 0
+        base = ctx.provenance
+        sub = base[-1] + self._next_sub
+        self._next_sub += 1
+        return (*base[:-1], sub)
+
+
+class Stage:
+    """A pipeline stage that holds something between items and can save it.
+
+    Subclasses implement ``run(ctx, src, state)`` (a generator; ``state`` is what their
+    ``state_dict`` returned, or None for a fresh start), ``state_dict()`` and ``config()``.
+    Called as a plain function on an iterator (``stage(src)``, the way webdataset calls
+    stages), a stage runs without state, so it also works inside webdataset's own pipelines.
+    """
+
+    def replay(self, src: Iterator[Any]) -> Iterator[Any]:
+        """What this stage does to items, without state, for re-creating saved items downstream of it.
+
+        Stages that only reorder or hold items return ``src``; stages that split items split them;
+        stages that merge items (batching) cannot be replayed.
+        """
+        raise StateMismatchError(
+            f"stage {self.index} ({type(self).__name__}) merges items, so items after it cannot be re-created "
+            "from their sources; move buffering stages (shuffle) before it"
+        )
+
+    #: Index of this stage in its pipeline (set by the pipeline at the start of an iteration).
+    index = -1
+
+    def config(self) -> dict[str, Any]:
+        return {}
+
+    def run(self, ctx: Context, src: Iterator[Any] | None, state: dict[str, Any] | None) -> Iterator[Any]:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def epoch_start_state(self) -> dict[str, Any] | None:
+        """The state that replays this stage from the start of the epoch (for stages upstream of the source)."""
+        return None
+
+    def addresses(self) -> list[Address]:
+        """Addresses of the items this stage holds (so the source keeps what re-reading them needs)."""
+        return []
+
+    def __call__(self, src: Iterator[Any] | None = None) -> Iterator[Any]:
+        return self.run(Context(0, worker_info()), src, None)
+
+
+class SourceStage(Stage):
+    """A stage that produces raw items with addresses and can re-read items by address."""
+
+    def rematerialize(self, addresses: list[Address]) -> list[Any]:
+        raise NotImplementedError
+
+    def source_state(self, live_addresses: list[Address]) -> dict[str, Any]:
+        """The state, given the addresses that buffering stages downstream still hold."""
+        return self.state_dict()
+
+
+class DataPipeline(IterableDataset, PipelineStage):
+    """webdataset's ``DataPipeline`` with ``state_dict()``/``load_state_dict()`` and ``set_epoch()``."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__()
+        self.pipeline: list[Any] = []
+        self.length = -1
+        self.repetitions = 1
+        self.nsamples = -1
+        self.epoch = -1  # the epoch of the current (or last) iteration; set_epoch() sets the next one
+        self._next_epoch: int | None = None
+        self._pending: dict[str, Any] | None = None
+        self._live: _Iteration | None = None
+        for arg in args:
+            if arg is None:
+                continue
+            if isinstance(arg, list):
+                self.pipeline.extend(arg)
+            else:
+                self.pipeline.append(arg)
+
+    # -- webdataset's API ------------------------------------------------------------------
+
+    def close(self) -> None:
+        for step in self.pipeline:
+            if hasattr(step, "close"):
+                step.close()
+        del self.pipeline
+
+    def invoke(self, f: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(f, (IterableDataset, DataLoader)) and len(args) == 0:
+            return iter(f)
+        if isinstance(f, PipelineStage):
+            return f.run(*args, **kwargs)
+        if isinstance(f, list):
+            return iter(f)
+        if callable(f):
+            return f(*args, **kwargs)
+        raise ValueError(f"{f}: not a valid pipeline stage")
+
+    def stage(self, i: int) -> Any:
+        return self.pipeline[i]
+
+    def append(self, f: Any) -> None:
+        self.pipeline.append(f)
+
+    def compose(self, *args: Any) -> DataPipeline:
+        result = copy.copy(self)
+        result.pipeline = copy.copy(result.pipeline)
+        for arg in args:
+            result.append(arg)
+        return result
+
+    def with_length(self, n: int, silent: bool = False) -> DataPipeline:
+        if not silent:
+            warnings.warn(
+                ".with_length() only sets the value of __len__ for compatibility with some training "
+                "environments. It does not change the number of samples in an epoch.",
+                stacklevel=2,
+            )
+        self.size = n
+        return _add_length_method(self)
+
+    def with_epoch(self, nsamples: int = -1, nbatches: int = -1) -> DataPipeline:
+        self.repetitions = sys.maxsize
+        self.nsamples = max(nsamples, nbatches)
+        return self
+
+    def repeat(self, nepochs: int = -1, nbatches: int = -1) -> DataPipeline:
+        if nepochs > 0:
+            self.repetitions = nepochs
+            self.nsamples = nbatches
+        else:
+            self.repetitions = sys.maxsize
+            self.nsamples = nbatches
+        return self
+
+    # -- epochs ----------------------------------------------------------------------------
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next iteration run epoch ``epoch`` (shard order and shuffles depend on it).
+
+        Without it, each pass (each ``iter()``, each repetition) advances the epoch by one,
+        counted by this object; in non-persistent DataLoader workers that counter restarts
+        with every epoch, so call ``set_epoch`` as you would on a DistributedSampler.
+        """
+        self._next_epoch = epoch
+
+    # -- iteration -------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Any]:
+        pending, self._pending = self._pending, None
+        info = worker_info()
+        if pending is not None:
+            self._check(pending, info)
+            first_epoch = pending["epoch"]
+            if pending.get("finished"):
+                # Saved at the very end of an iteration: this one yields nothing (a DataLoader worker
+                # restored there must report exhaustion); the next iter() starts the following epoch.
+                self.epoch = first_epoch - 1
+                done = _Iteration(self, info, first_epoch, None)
+                done.finished = True
+                self._live = done
+                return iter(())
+        else:
+            first_epoch = self._next_epoch if self._next_epoch is not None else self.epoch + 1
+        self._next_epoch = None
+        iteration = _Iteration(self, info, first_epoch, pending)
+        self._live = iteration
+        return iter(iteration)
+
+    def iterator1(self) -> Iterator[Any]:
+        """One pass over the stages (webdataset's name), without repetition or state."""
+        ctx = Context(self.epoch if self.epoch >= 0 else 0, worker_info())
+        return _Pass(self, ctx, None).iterator()
+
+    # -- state -----------------------------------------------------------------------------
+
+    def config(self) -> dict[str, Any]:
+        stages = []
+        for stage in self.pipeline:
+            if isinstance(stage, Stage):
+                stages.append({"stage": type(stage).__name__, **stage.config()})
+            else:
+                stages.append(describe(getattr(stage, "f", stage)))
+        return {"stages": stages, "repetitions": self.repetitions, "nsamples": self.nsamples}
+
+    def fingerprint(self, info: WorkerInfo | None = None) -> str:
+        return fingerprint({**self.config(), "worker": list(info or worker_info())})
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state of the current iteration (a fresh plain-data dict): loading it resumes right after
+        the last item this pipeline handed out."""
+        if self._live is None:
+            if self._pending is not None:
+                return copy.deepcopy(self._pending)
+            return self._initial_state()
+        return self._live.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from ``state`` at the next ``iter()``; fails loudly if the configuration changed."""
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise StateMismatchError("not a wdsraft pipeline state")
+        if state.get("version") != STATE_VERSION:
+            raise StateMismatchError(f"unsupported state version {state.get('version')!r}")
+        self._pending = copy.deepcopy(state)
+        self._live = None
+
+    def _initial_state(self) -> dict[str, Any]:
+        info = worker_info()
+        epoch = self._next_epoch if self._next_epoch is not None else self.epoch + 1
+        return {
+            "format": STATE_FORMAT,
+            "version": STATE_VERSION,
+            "fingerprint": self.fingerprint(info),
+            "config": describe({**self.config(), "worker": list(info)}),
+            "epoch": epoch,
+            "repetition": 0,
+            "yielded": 0,
+            "pass_count": 0,
+            "stages": None,
+        }
+
+    def _check(self, state: dict[str, Any], info: WorkerInfo) -> None:
+        expected = self.fingerprint(info)
+        if state.get("fingerprint") != expected:
+            changed = differences(state.get("config", {}), describe({**self.config(), "worker": list(info)}))
+            detail = "; ".join(changed[:6]) or "configuration differs"
+            raise StateMismatchError(
+                f"this state was saved by a different pipeline configuration ({detail}). Exact resume needs the "
+                "same shards, seeds, stages, rank/world size and worker count; to continue with a changed "
+                "configuration, resume through the ledger instead."
+            )
+
+
+def _add_length_method(obj: Any) -> Any:
+    def length(self: Any) -> int:
+        return self.size
+
+    combined = type(obj.__class__.__name__ + "_Length", (obj.__class__, IterableDataset), {"__len__": length})
+    obj.__class__ = combined
+    return obj
+
+
+class _Pass:
+    """One pass over a pipeline's stages: builds the chain of iterators, restoring stages if asked."""
+
+    def __init__(self, pipeline: DataPipeline, ctx: Context, states: dict[str, Any] | None):
+        self.pipeline = pipeline
+        self.ctx = ctx
+        self.states = states or {}
+        self.stages = pipeline.pipeline
+        self.source_index = next((i for i, s in enumerate(self.stages) if isinstance(s, SourceStage)), None)
+
+    def iterator(self) -> Iterator[Any]:
+        ctx, stages = self.ctx, self.stages
+        ctx.stages = stages
+        source: Any = None
+        for index, stage in enumerate(stages):
+            if isinstance(stage, Stage):
+                stage.index = index
+                state = self.states.get(str(index))
+                if isinstance(stage, SourceStage):
+                    ctx.source = stage
+                elif self.source_index is not None and index > self.source_index:
+                    ctx.rematerializers[index] = self._rematerializer(index)
+                source = stage.run(ctx, source, state)
+            elif index == 0:
+                source = self.pipeline.invoke(stage)
+            else:
+                source = self.pipeline.invoke(stage, source)
+        return source
+
+    def _rematerializer(self, index: int) -> Callable[[list[Address]], list[Any]]:
+        """Re-create the items a stage held: re-read raw items, replay the stateless stages in between."""
+        assert self.source_index is not None
+        between = self.stages[self.source_index + 1 : index]
+        source = self.ctx.source
+        pipeline = self.pipeline
+
+        def invoke(stage: Any, stream: Iterator[Any]) -> Iterator[Any]:
+            return stage.replay(stream) if isinstance(stage, Stage) else pipeline.invoke(stage, stream)
+
+        def rematerialize(addresses: list[Address]) -> list[Any]:
+            assert source is not None
+            raws = source.rematerialize([(*address[:-1], 0) for address in addresses])
+            items = []
+            for raw, address in zip(raws, addresses, strict=False):
+                stream: Any = iter([raw])
+                for stage in between:
+                    stream = invoke(stage, stream)
+                produced = list(islice(stream, address[-1] + 1))
+                if len(produced) <= address[-1]:
+                    raise StateMismatchError(f"re-reading item {address} gave nothing: are the stages deterministic?")
+                items.append(produced[address[-1]])
+            return items
+
+        return rematerialize
+
+    def state(self) -> dict[str, Any]:
+        states: dict[str, Any] = {}
+        live: list[Address] = []
+        for index, stage in enumerate(self.stages):
+            if not isinstance(stage, Stage):
+                continue
+            if self.source_index is not None and index < self.source_index:
+                states[str(index)] = stage.epoch_start_state()
+            elif isinstance(stage, SourceStage):
+                continue  # saved last: it needs the addresses the stages after it hold
+            else:
+                states[str(index)] = stage.state_dict()
+                live.extend(stage.addresses())
+        if self.source_index is not None:
+            source = self.stages[self.source_index]
+            states[str(self.source_index)] = source.source_state(live)
+        return states
+
+
+class _Iteration:
+    """A whole ``iter()`` of a pipeline: its passes (one per epoch) and the ``with_epoch`` window."""
+
+    def __init__(self, pipeline: DataPipeline, info: WorkerInfo, first_epoch: int, pending: dict[str, Any] | None):
+        self.pipeline = pipeline
+        self.info = info
+        self.first_epoch = first_epoch
+        self.repetition = pending["repetition"] if pending else 0
+        self.yielded = pending["yielded"] if pending else 0  # items handed out in this iter() (with_epoch)
+        self.pass_count = pending["pass_count"] if pending else 0  # items handed out in the current pass
+        self.stage_states = pending["stages"] if pending else None
+        self.finished = False
+        self.current: _Pass | None = None
+
+    @property
+    def epoch(self) -> int:
+        return self.first_epoch + self.repetition
+
+    def __iter__(self) -> Iterator[Any]:
+        pipeline = self.pipeline
+        limit = pipeline.nsamples if pipeline.repetitions != 1 and pipeline.nsamples > 0 else None
+        while self.repetition < pipeline.repetitions and not (limit is not None and self.yielded >= limit):
+            pipeline.epoch = self.epoch
+            self.current = _Pass(pipeline, Context(self.epoch, self.info), self.stage_states)
+            self.stage_states = None
+            window_full = False
+            for item in self.current.iterator():
+                self.yielded += 1
+                self.pass_count += 1
+                yield item
+                if limit is not None and self.yielded >= limit:
+                    window_full = True
+                    break
+            if window_full:
+                break
+            empty = self.pass_count == 0  # as webdataset: a pass without data ends the repetitions
+            self.repetition += 1
+            self.pass_count = 0
+            self.current = None
+            if empty:
+                break
+        self.finished = True
+
+    def state_dict(self) -> dict[str, Any]:
+        pipeline = self.pipeline
+        if self.finished:
+            next_epoch = self.epoch + (0 if self.current is None else 1)
+            return {**pipeline._initial_state(), "epoch": next_epoch, "finished": True}
+        return {
+            "format": STATE_FORMAT,
+            "version": STATE_VERSION,
+            "fingerprint": pipeline.fingerprint(self.info),
+            "config": describe({**pipeline.config(), "worker": list(self.info)}),
+            "epoch": self.first_epoch,
+            "repetition": self.repetition,
+            "yielded": self.yielded,
+            "pass_count": self.pass_count,
+            "stages": self.current.state() if self.current is not None else None,
+        }

@@ -1,0 +1,78 @@
+"""Plain-data state: fingerprints of configurations, RNG states as bytes, mismatch errors.
+
+States are nested dicts of ints, strings, bytes, lists and bools: they survive
+``torch.save``/``torch.load(weights_only=True)``, msgpack and (bytes aside) JSON, and
+loading them never runs code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import struct
+from typing import Any
+
+STATE_FORMAT = "wdsraft-pipeline-state"
+STATE_VERSION = 1
+
+
+class StateMismatchError(ValueError):
+    """A saved state does not belong to this configuration (other shards, seed, stages, rank or worker)."""
+
+
+def describe(value: Any) -> Any:
+    """A stable, plain description of a configuration value for fingerprints."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [describe(item) for item in value]
+    if isinstance(value, dict):
+        return {str(key): describe(item) for key, item in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    name = getattr(value, "__qualname__", None) or getattr(type(value), "__qualname__", "?")
+    module = getattr(value, "__module__", None) or type(value).__module__
+    return f"{module}.{name}"
+
+
+def fingerprint(config: Any) -> str:
+    text = json.dumps(describe(config), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def differences(saved: dict[str, Any], current: dict[str, Any], prefix: str = "") -> list[str]:
+    """Human-readable list of configuration fields that differ."""
+    found = []
+    for key in sorted(set(saved) | set(current)):
+        a, b = saved.get(key, "<absent>"), current.get(key, "<absent>")
+        if isinstance(a, dict) and isinstance(b, dict):
+            found += differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            found.append(f"{prefix}{key}: saved {_short(a)}, now {_short(b)}")
+    return found
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+_MT_STATE = struct.Struct("<625I")
+
+
+def pack_rng(rng: random.Random) -> bytes:
+    """The Mersenne Twister state as 2,504 bytes (a Random's state is 624 words and a position)."""
+    version, internal, gauss = rng.getstate()
+    assert version == 3 and gauss is None, "unexpected random.Random state"
+    return _MT_STATE.pack(*internal)
+
+
+def unpack_rng(raw: bytes) -> random.Random:
+    rng = random.Random()
+    rng.setstate((3, _MT_STATE.unpack(raw), None))
+    return rng
+
+
+def make_seed(*parts: Any) -> int:
+    """A 63-bit seed from ints and strings, the same in every process (unlike ``hash()``)."""
+    digest = hashlib.sha256(repr(parts).encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
