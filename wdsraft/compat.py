@@ -189,7 +189,6 @@ class LoaderSource(SourceStage):
         self._snapshots: dict[int, dict[str, Any]] = {}
         self._replayed: dict[int, Any] = {}
         self._fetched = 0
-        self._ctx: Context | None = None
 
     def config(self) -> dict[str, Any]:
         loader = self.loader
@@ -201,7 +200,6 @@ class LoaderSource(SourceStage):
         }
 
     def run(self, ctx: Context, src: Iterator[Any] | None, state: dict[str, Any] | None) -> Iterator[Any]:
-        self._ctx = ctx
         self._snapshots = {}
         self._replayed = {}
         self._fetched = 0
@@ -230,14 +228,10 @@ class LoaderSource(SourceStage):
             ctx.stamp((serial, 0))
             yield batch
             if len(self._snapshots) > 64:
-                self._prune()
+                self._prune(ctx)
 
-    def _live_serials(self) -> list[int]:
-        assert self._ctx is not None
-        return [address[0] for address in self._ctx.live_addresses()]
-
-    def _prune(self) -> None:
-        live = self._live_serials()
+    def _prune(self, ctx: Context) -> None:
+        live = [address[0] for address in ctx.live_addresses()]
         oldest = min(live) if live else self._fetched
         for serial in [s for s in self._snapshots if s < oldest]:
             del self._snapshots[serial]

@@ -10,7 +10,6 @@ epoch behaviour).
 from __future__ import annotations
 
 import builtins
-import os
 import random
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -49,7 +48,7 @@ from webdataset.filters import (
     xdecode,
 )
 
-from .pipeline import Address, AddressTracker, Context, Stage
+from .pipeline import Address, AddressTracker, Context, Stage, pack_addresses, unpack_addresses
 from .state import StateMismatchError, describe, make_seed, pack_rng, unpack_rng
 
 __all__ = [
@@ -118,7 +117,9 @@ class shuffle(Stage):
         self.rng = rng
         self.seed = seed
         self.reshuffle_each_epoch = reshuffle_each_epoch
-        self._start_rng: bytes | None = None
+        # No seed: draw one now (webdataset seeds from the clock at each run); it travels in the state.
+        self._drawn = random.SystemRandom().getrandbits(63) if seed is None and rng is None else None
+        self._start_rng: str | None = None
         self._rng: random.Random | None = None
         self._addresses: list[Address | None] = []
         self._exhausted = False
@@ -134,11 +135,17 @@ class shuffle(Stage):
     def _epoch_rng(self, ctx: Context) -> random.Random:
         if self.rng is not None:
             return self.rng
-        if self.seed is None:
-            return random.Random(int.from_bytes(os.urandom(8), "little"))
+        seed = self.seed if self.seed is not None else self._drawn
         if ctx.epoch == 0 or not self.reshuffle_each_epoch:
-            return random.Random(self.seed)  # epoch 0 draws exactly what webdataset draws
-        return random.Random(make_seed(self.seed, ctx.epoch))
+            return random.Random(seed)  # epoch 0 draws exactly what webdataset draws for a seed
+        return random.Random(make_seed(seed, ctx.epoch))
+
+    def drawn_seed(self) -> Any:
+        return self._drawn
+
+    def adopt_seed(self, seed: Any) -> None:
+        if self.seed is None and self.rng is None:
+            self._drawn = seed
 
     def epoch_start_state(self) -> dict[str, Any]:
         return {"rng": self._start_rng}
@@ -151,7 +158,7 @@ class shuffle(Stage):
             )
         return {
             "rng": pack_rng(self._rng) if self._rng is not None else None,
-            "buffer": [list(address) for address in self._addresses],  # type: ignore[arg-type]
+            "buffer": pack_addresses(self._addresses),  # type: ignore[arg-type]
             "exhausted": self._exhausted,
         }
 
@@ -163,24 +170,27 @@ class shuffle(Stage):
 
     def run(self, ctx: Context, src: Iterator[Any] | None, state: dict[str, Any] | None) -> Iterator[Any]:
         assert src is not None
-        return self._shuffle(ctx, src, state)
-
-    def _shuffle(self, ctx: Context, src: Iterator[Any], state: dict[str, Any] | None) -> Iterator[Any]:
+        # Set up now, not when the generator first runs: a state taken before then must already be whole.
         rng = unpack_rng(state["rng"]) if state is not None and state.get("rng") is not None else self._epoch_rng(ctx)
         self._start_rng = pack_rng(rng)
         self._rng = rng
+        self._addresses = []
+        self._exhausted = bool(state and state.get("exhausted"))
+        return self._shuffle(ctx, src, state, rng)
+
+    def _shuffle(
+        self, ctx: Context, src: Iterator[Any], state: dict[str, Any] | None, rng: random.Random
+    ) -> Iterator[Any]:
         buf: list[Any] = []
-        addresses: list[Address | None] = []
-        self._addresses = addresses
-        self._exhausted = False
+        addresses = self._addresses
         if state is not None and state.get("buffer"):
-            restored = [tuple(address) for address in state["buffer"]]
-            buf.extend(ctx.rematerializers[self.index](restored))
+            restored = unpack_addresses(state["buffer"])
+            buf.extend(ctx.rematerializers[self.index](restored) if restored else [])
             addresses.extend(restored)
         tracker = AddressTracker(ctx)
         initial = min(self.initial, self.bufsize)
         src = iter(src)
-        if not (state is not None and state.get("exhausted")):
+        if not self._exhausted:
             for sample in src:
                 buf.append(sample)
                 addresses.append(tracker.address())
@@ -252,23 +262,19 @@ class batched(Stage):
     def state_dict(self) -> dict[str, Any]:
         if any(address is None for address in self._addresses):
             raise StateMismatchError(f"cannot save stage {self.index} (batched): its partial batch has no positions")
-        return {"partial": [list(address) for address in self._addresses]}  # type: ignore[arg-type]
+        return {"partial": pack_addresses(self._addresses)}  # type: ignore[arg-type]
 
     def addresses(self) -> list[Address]:
         return [address for address in self._addresses if address is not None]
 
     def run(self, ctx: Context, src: Iterator[Any] | None, state: dict[str, Any] | None) -> Iterator[Any]:
         assert src is not None
-        return self._batches(ctx, src, state)
+        self._addresses = unpack_addresses(state["partial"]) if state else []  # type: ignore[assignment]
+        return self._batches(ctx, src)
 
-    def _batches(self, ctx: Context, src: Iterator[Any], state: dict[str, Any] | None) -> Iterator[Any]:
-        batch: list[Any] = []
-        addresses: list[Address | None] = []
-        self._addresses = addresses
-        if state is not None and state.get("partial"):
-            restored = [tuple(address) for address in state["partial"]]
-            batch.extend(ctx.rematerializers[self.index](restored))
-            addresses.extend(restored)
+    def _batches(self, ctx: Context, src: Iterator[Any]) -> Iterator[Any]:
+        addresses = self._addresses
+        batch: list[Any] = ctx.rematerializers[self.index](list(addresses)) if addresses else []  # type: ignore[arg-type]
         tracker = AddressTracker(ctx)
         for sample in src:
             batch.append(sample)
@@ -319,14 +325,19 @@ class _Splitter(Stage):
 
     def run(self, ctx: Context, src: Iterator[Any] | None, state: dict[str, Any] | None) -> Iterator[Any]:
         assert src is not None
-        return self._items(ctx, src, state)
+        resume = state is not None and state.get("group") is not None
+        self._group_address = tuple(state["group"]) if resume else None  # type: ignore[index]
+        self._next = state["next"] if resume else 0  # type: ignore[index]
+        self._pending = 1 if resume else 0  # until the group is re-read and its length known
+        return self._items(ctx, src)
 
-    def _items(self, ctx: Context, src: Iterator[Any], state: dict[str, Any] | None) -> Iterator[Any]:
+    def _items(self, ctx: Context, src: Iterator[Any]) -> Iterator[Any]:
         tracker = AddressTracker(ctx)
-        if state is not None and state.get("group") is not None:
-            address = tuple(state["group"])
+        if self._pending:
+            address = self._group_address
+            assert address is not None
             (group,) = ctx.rematerializers[self.index]([address])
-            yield from self._hand_out(ctx, group, address, state["next"])
+            yield from self._hand_out(ctx, group, address, self._next)
         for group in src:
             yield from self._hand_out(ctx, group, tracker.address(), 0)
 
@@ -384,12 +395,12 @@ class slice(Stage):
 
     def run(self, ctx: Context, src: Iterator[Any] | None, state: dict[str, Any] | None) -> Iterator[Any]:
         assert src is not None
-        return self._slice(src, builtins.slice(*self.args), state["seen"] if state else 0)
+        self._seen = state["seen"] if state else 0
+        return self._slice(src, builtins.slice(*self.args))
 
-    def _slice(self, src: Iterator[Any], bounds: builtins.slice, seen: int) -> Iterator[Any]:
+    def _slice(self, src: Iterator[Any], bounds: builtins.slice) -> Iterator[Any]:
         start, stop, step = bounds.start or 0, bounds.stop, bounds.step or 1
-        self._seen = seen
-        if stop is not None and seen >= stop:
+        if stop is not None and self._seen >= stop:
             return
         for item in src:
             index = self._seen
@@ -414,10 +425,10 @@ class check_empty(Stage):
 
     def run(self, ctx: Context, src: Iterator[Any] | None, state: dict[str, Any] | None) -> Iterator[Any]:
         assert src is not None
-        return self._check(src, state["count"] if state else 0)
+        self._count = state["count"] if state else 0
+        return self._check(src)
 
-    def _check(self, src: Iterator[Any], count: int) -> Iterator[Any]:
-        self._count = count
+    def _check(self, src: Iterator[Any]) -> Iterator[Any]:
         for sample in src:
             self._count += 1
             yield sample

@@ -29,6 +29,7 @@ import copy
 import logging
 import sys
 import warnings
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
 from itertools import islice
@@ -43,6 +44,36 @@ from .state import STATE_FORMAT, STATE_VERSION, StateMismatchError, describe, di
 logger = logging.getLogger(__name__)
 
 Address = tuple  # (source-specific fields..., sub-index)
+
+
+def pack_addresses(addresses: list[Address]) -> dict[str, Any]:
+    """Addresses as a compact plain-data record: string fields (shard URLs) go to a table, the rest
+    is one flat list of ints (about 10 bytes per address in msgpack)."""
+    if not addresses:
+        return {"width": 0, "strings": [], "string_fields": [], "values": []}
+    width = len(addresses[0])
+    string_fields = [i for i, field in enumerate(addresses[0]) if isinstance(field, str)]
+    table: dict[str, int] = {}
+    values: list[int] = []
+    for address in addresses:
+        for i, field in enumerate(address):
+            values.append(table.setdefault(field, len(table)) if i in string_fields else field)
+    return {"width": width, "strings": list(table), "string_fields": string_fields, "values": values}
+
+
+def unpack_addresses(record: dict[str, Any]) -> list[Address]:
+    width, strings, string_fields, values = (
+        record["width"],
+        record["strings"],
+        set(record["string_fields"]),
+        record["values"],
+    )
+    if width == 0:
+        return []
+    return [
+        tuple(strings[values[row + i]] if i in string_fields else values[row + i] for i in range(width))
+        for row in range(0, len(values), width)
+    ]
 
 
 class Context:
@@ -138,6 +169,14 @@ class Stage:
         """Addresses of the items this stage holds (so the source keeps what re-reading them needs)."""
         return []
 
+    def drawn_seed(self) -> Any:
+        """A seed this stage drew itself (no seed was given); carried in every state so a fresh
+        pipeline built the same way adopts it."""
+        return None
+
+    def adopt_seed(self, seed: Any) -> None:
+        pass
+
     def __call__(self, src: Iterator[Any] | None = None) -> Iterator[Any]:
         return self.run(Context(0, worker_info()), src, None)
 
@@ -165,7 +204,10 @@ class DataPipeline(IterableDataset, PipelineStage):
         self.epoch = -1  # the epoch of the current (or last) iteration; set_epoch() sets the next one
         self._next_epoch: int | None = None
         self._pending: dict[str, Any] | None = None
-        self._live: _Iteration | None = None
+        # The iteration in progress, weakly: a strong reference would make a cycle through its generator,
+        # and a DataLoader freed by the cycle collector rather than promptly stalls seconds in shutdown.
+        self._live: weakref.ref[_Iteration] | None = None
+        self._last_state: dict[str, Any] | None = None  # the state an iteration left when it ended
         for arg in args:
             if arg is None:
                 continue
@@ -183,15 +225,7 @@ class DataPipeline(IterableDataset, PipelineStage):
         del self.pipeline
 
     def invoke(self, f: Any, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(f, (IterableDataset, DataLoader)) and len(args) == 0:
-            return iter(f)
-        if isinstance(f, PipelineStage):
-            return f.run(*args, **kwargs)
-        if isinstance(f, list):
-            return iter(f)
-        if callable(f):
-            return f(*args, **kwargs)
-        raise ValueError(f"{f}: not a valid pipeline stage")
+        return invoke_stage(f, *args, **kwargs)
 
     def stage(self, i: int) -> Any:
         return self.pipeline[i]
@@ -255,13 +289,15 @@ class DataPipeline(IterableDataset, PipelineStage):
                 self.epoch = first_epoch - 1
                 done = _Iteration(self, info, first_epoch, None)
                 done.finished = True
-                self._live = done
+                self._live = None
+                self._last_state = done.state_dict()
                 return iter(())
         else:
             first_epoch = self._next_epoch if self._next_epoch is not None else self.epoch + 1
         self._next_epoch = None
         iteration = _Iteration(self, info, first_epoch, pending)
-        self._live = iteration
+        self._live = weakref.ref(iteration)
+        self._last_state = None
         return iter(iteration)
 
     def iterator1(self) -> Iterator[Any]:
@@ -286,11 +322,14 @@ class DataPipeline(IterableDataset, PipelineStage):
     def state_dict(self) -> dict[str, Any]:
         """The state of the current iteration (a fresh plain-data dict): loading it resumes right after
         the last item this pipeline handed out."""
-        if self._live is None:
-            if self._pending is not None:
-                return copy.deepcopy(self._pending)
-            return self._initial_state()
-        return self._live.state_dict()
+        live = self._live() if self._live is not None else None
+        if live is not None:
+            return live.state_dict()
+        if self._pending is not None:
+            return copy.deepcopy(self._pending)
+        if self._last_state is not None:
+            return copy.deepcopy(self._last_state)
+        return self._initial_state()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from ``state`` at the next ``iter()``; fails loudly if the configuration changed."""
@@ -298,8 +337,20 @@ class DataPipeline(IterableDataset, PipelineStage):
             raise StateMismatchError("not a wdsraft pipeline state")
         if state.get("version") != STATE_VERSION:
             raise StateMismatchError(f"unsupported state version {state.get('version')!r}")
+        for index, seed in (state.get("seeds") or {}).items():
+            stage = self.pipeline[int(index)] if int(index) < len(self.pipeline) else None
+            if isinstance(stage, Stage):
+                stage.adopt_seed(seed)
         self._pending = copy.deepcopy(state)
         self._live = None
+        self._last_state = None
+
+    def _drawn_seeds(self) -> dict[str, Any]:
+        return {
+            str(index): stage.drawn_seed()
+            for index, stage in enumerate(self.pipeline)
+            if isinstance(stage, Stage) and stage.drawn_seed() is not None
+        }
 
     def _initial_state(self) -> dict[str, Any]:
         info = worker_info()
@@ -314,6 +365,7 @@ class DataPipeline(IterableDataset, PipelineStage):
             "yielded": 0,
             "pass_count": 0,
             "stages": None,
+            "seeds": self._drawn_seeds(),
         }
 
     def _check(self, state: dict[str, Any], info: WorkerInfo) -> None:
@@ -326,6 +378,19 @@ class DataPipeline(IterableDataset, PipelineStage):
                 "same shards, seeds, stages, rank/world size and worker count; to continue with a changed "
                 "configuration, resume through the ledger instead."
             )
+
+
+def invoke_stage(f: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run one stage the way webdataset's DataPipeline does."""
+    if isinstance(f, (IterableDataset, DataLoader)) and len(args) == 0:
+        return iter(f)
+    if isinstance(f, PipelineStage):
+        return f.run(*args, **kwargs)
+    if isinstance(f, list):
+        return iter(f)
+    if callable(f):
+        return f(*args, **kwargs)
+    raise ValueError(f"{f}: not a valid pipeline stage")
 
 
 def _add_length_method(obj: Any) -> Any:
@@ -370,11 +435,10 @@ class _Pass:
         """Re-create the items a stage held: re-read raw items, replay the stateless stages in between."""
         assert self.source_index is not None
         between = self.stages[self.source_index + 1 : index]
-        source = self.ctx.source
-        pipeline = self.pipeline
+        source = self.ctx.source  # (no reference to the pass itself: it would make a cycle through ctx)
 
         def invoke(stage: Any, stream: Iterator[Any]) -> Iterator[Any]:
-            return stage.replay(stream) if isinstance(stage, Stage) else pipeline.invoke(stage, stream)
+            return stage.replay(stream) if isinstance(stage, Stage) else invoke_stage(stage, stream)
 
         def rematerialize(addresses: list[Address]) -> list[Any]:
             assert source is not None
@@ -430,6 +494,15 @@ class _Iteration:
         return self.first_epoch + self.repetition
 
     def __iter__(self) -> Iterator[Any]:
+        try:
+            yield from self._run()
+        finally:  # finished or dropped: leave the state behind for state_dict() calls after the loop
+            try:
+                self.pipeline._last_state = self.state_dict()
+            except Exception:  # a state that cannot be taken now will fail loudly when asked for directly
+                self.pipeline._last_state = None
+
+    def _run(self) -> Iterator[Any]:
         pipeline = self.pipeline
         limit = pipeline.nsamples if pipeline.repetitions != 1 and pipeline.nsamples > 0 else None
         while self.repetition < pipeline.repetitions and not (limit is not None and self.yielded >= limit):
@@ -469,4 +542,5 @@ class _Iteration:
             "yielded": self.yielded,
             "pass_count": self.pass_count,
             "stages": self.current.state() if self.current is not None else None,
+            "seeds": pipeline._drawn_seeds(),
         }

@@ -132,7 +132,9 @@ class ResampledShards(IterableDataset, Stage):
         self.deterministic = deterministic
         self.seed = seed
         self.epoch = -1
-        self._seed_used: int | None = None
+        # Not deterministic: entropy drawn once here (webdataset draws pid, clock and urandom at every
+        # run); it travels in the state, so a restored pipeline draws the same shards.
+        self._drawn = None if deterministic else int.from_bytes(os.urandom(8), "little") ^ time.time_ns()
 
     def config(self) -> dict[str, Any]:
         return {
@@ -144,19 +146,21 @@ class ResampledShards(IterableDataset, Stage):
         }
 
     def epoch_start_state(self) -> dict[str, Any]:
-        return {"seed_used": self._seed_used}
+        return {}
+
+    def drawn_seed(self) -> Any:
+        return self._drawn
+
+    def adopt_seed(self, seed: Any) -> None:
+        if not self.deterministic:
+            self._drawn = seed
 
     def run(self, ctx: Context, src: Iterator[Any] | None, state: dict[str, Any] | None) -> Iterator[Any]:
         self.epoch = ctx.epoch
-        if state is not None and state.get("seed_used") is not None:
-            seed = state["seed_used"]
-        elif self.deterministic:
+        if self.deterministic:
             seed = webdataset_make_seed(self.worker_seed(), self.epoch, self.seed)
         else:
-            seed = webdataset_make_seed(
-                self.worker_seed(), self.epoch, self.seed, os.getpid(), time.time_ns(), os.urandom(4)
-            )
-        self._seed_used = seed
+            seed = webdataset_make_seed(self.worker_seed(), self.epoch, self.seed, self._drawn)
         return self._draw(random.Random(seed))
 
     def _draw(self, rng: random.Random) -> Iterator[Any]:

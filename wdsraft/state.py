@@ -7,6 +7,7 @@ loading them never runs code.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import random
@@ -42,10 +43,14 @@ def fingerprint(config: Any) -> str:
 def differences(saved: dict[str, Any], current: dict[str, Any], prefix: str = "") -> list[str]:
     """Human-readable list of configuration fields that differ."""
     found = []
-    for key in sorted(set(saved) | set(current)):
+    if isinstance(saved, list) and isinstance(current, list) and len(saved) == len(current):
+        saved, current = dict(enumerate(saved)), dict(enumerate(current))
+    for key in sorted(set(saved) | set(current), key=str):
         a, b = saved.get(key, "<absent>"), current.get(key, "<absent>")
-        if isinstance(a, dict) and isinstance(b, dict):
-            found += differences(a, b, f"{prefix}{key}.")
+        if (isinstance(a, dict) and isinstance(b, dict)) or (
+            isinstance(a, list) and isinstance(b, list) and len(a) == len(b)
+        ):
+            found += differences(a, b, f"{prefix}{key}.")  # type: ignore[arg-type]
         elif a != b:
             found.append(f"{prefix}{key}: saved {_short(a)}, now {_short(b)}")
     return found
@@ -59,16 +64,17 @@ def _short(value: Any) -> str:
 _MT_STATE = struct.Struct("<625I")
 
 
-def pack_rng(rng: random.Random) -> bytes:
-    """The Mersenne Twister state as 2,504 bytes (a Random's state is 624 words and a position)."""
+def pack_rng(rng: random.Random) -> str:
+    """The Mersenne Twister state (624 words and a position) as 3.3 KB of base64: plain text that
+    JSON, msgpack and ``torch.load(weights_only=True)`` all carry."""
     version, internal, gauss = rng.getstate()
     assert version == 3 and gauss is None, "unexpected random.Random state"
-    return _MT_STATE.pack(*internal)
+    return base64.b64encode(_MT_STATE.pack(*internal)).decode("ascii")
 
 
-def unpack_rng(raw: bytes) -> random.Random:
+def unpack_rng(packed: str) -> random.Random:
     rng = random.Random()
-    rng.setstate((3, _MT_STATE.unpack(raw), None))
+    rng.setstate((3, _MT_STATE.unpack(base64.b64decode(packed)), None))
     return rng
 
 

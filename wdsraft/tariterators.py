@@ -262,7 +262,8 @@ class TarfileToSamples(SourceStage):
     def run(self, ctx: Context, src: Iterator[Any] | None, state: dict[str, Any] | None) -> Iterator[dict[str, Any]]:
         if src is None:
             raise ValueError("tarfile_to_samples needs a stream of shard URLs before it")
-        self._live = self._fresh()
+        # Adopt the state now: a state taken before the generator first runs must be this one.
+        self._live = dict(state) if state is not None else self._fresh()
         return self._samples(ctx, src, state)
 
     def _reader(self, url: str, offset: int, ordinal: int) -> ShardSampleReader:
@@ -294,7 +295,6 @@ class TarfileToSamples(SourceStage):
                     )
                 offset, ordinal = resume["offset"], resume["ordinal"]
                 if resume["done"]:
-                    live.update(resume)
                     continue
             live.update(shards_started=started, url=url, offset=offset, ordinal=ordinal, done=False)
             reader = self._reader(url, offset, ordinal)

@@ -1,0 +1,148 @@
+"""WebLoader on StatefulDataLoader: exact resume with 0..3 workers, stages in the training process,
+and webdataset's own README examples running unchanged with ``import wdsraft as wds``."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_pipeline import identity, resume, roundtrip, states_along
+
+import wdsraft as wds
+
+
+@pytest.fixture(scope="module")
+def urls(tmp_path_factory, corpus_records) -> list[str]:
+    directory = tmp_path_factory.mktemp("loader")
+    with wds.ShardWriter(str(directory / "l-%02d.tar"), maxcount=11, verbose=0) as sink:
+        for number, record in enumerate(corpus_records[:88]):
+            sink.write({"__key__": f"{number:05d}", "txt": record["text"][:100], "cls": number % 7})
+    return sorted(str(p) for p in directory.glob("l-*.tar"))
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        yield
+
+
+def _loader(urls, workers: int, main_shuffle: int = 9, persistent: bool = False):
+    dataset = (
+        wds.WebDataset(urls, shardshuffle=8, seed=3).shuffle(5, seed=4).decode().to_tuple("__key__", "cls").batched(3)
+    )
+    loader = wds.WebLoader(dataset, batch_size=None, num_workers=workers, persistent_workers=persistent and workers > 0)
+    return loader.unbatched().shuffle(main_shuffle, seed=5).batched(4)
+
+
+@pytest.mark.parametrize("workers", [0, 1, 2, 3])
+def test_loader_resumes_exactly(urls, workers: int) -> None:
+    def make():
+        return _loader(urls, workers)
+
+    stream, states = states_along(make)
+    assert sorted(k for batch in stream for k in batch[0]) == [f"{n:05d}" for n in range(88)]
+    for k in range(len(states)):  # the restore-at-every-step oracle, through worker processes
+        assert resume(make, states[k], ("msgpack", "torch")[k % 2], seed=k) == stream[k:], f"kill before batch {k}"
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(workers=st.integers(0, 3), kill=st.integers(0, 22), main_shuffle=st.sampled_from([1, 4, 30]))
+def test_property_loader_kill_points(urls, workers, kill, main_shuffle) -> None:
+    def make():
+        return _loader(urls, workers, main_shuffle)
+
+    _stream, states = states_along(make, limit=kill + 1)
+    full = [identity(b) for b in make()]
+    assert resume(make, states[min(kill, len(states) - 1)]) == full[min(kill, len(states) - 1) :]
+
+
+def test_loader_epochs_and_set_epoch(urls) -> None:
+    loader = _loader(urls, 2)
+    first = [identity(b) for b in loader]
+    second = [identity(b) for b in loader]
+    assert sorted(first) != first or first != second  # the second epoch is reshuffled
+    flat = sorted(k for b in second for k in b[0])
+    assert flat == [f"{n:05d}" for n in range(88)]
+
+
+def test_loader_state_survives_torch_save(urls) -> None:
+    loader = _loader(urls, 2)
+    iterator = iter(loader)
+    for _ in range(4):
+        next(iterator)
+    state = roundtrip(loader.state_dict(), "torch")
+    fresh = _loader(urls, 2)
+    fresh.load_state_dict(state)
+    assert [identity(b) for b in fresh] == [identity(b) for b in iterator]
+
+
+def test_changed_worker_count_fails_loudly(urls) -> None:
+    loader = _loader(urls, 2)
+    iterator = iter(loader)
+    next(iterator)
+    state = loader.state_dict()
+    other = _loader(urls, 3)
+    with pytest.raises(wds.StateMismatchError, match="num_workers"):
+        other.load_state_dict(state)
+        list(other)
+
+
+# -- webdataset's README examples, unchanged but for the import -----------------------------------
+
+
+def test_readme_webdataset_example(urls) -> None:
+    dataset = wds.WebDataset(urls, shardshuffle=100).shuffle(1000).decode().to_tuple("txt", "cls").batched(16)
+    batches = list(dataset)
+    assert sum(len(b[0]) for b in batches) == 88 and isinstance(batches[0][1], (list, torch.Tensor, object))
+
+
+def test_readme_datapipeline_example(urls) -> None:
+    dataset = wds.DataPipeline(
+        wds.ResampledShards(urls),
+        wds.tarfile_to_samples(),
+        wds.shuffle(100),
+        wds.decode(),
+        wds.to_tuple("txt", "cls"),
+        wds.batched(16),
+    )
+    iterator = iter(dataset)
+    first = [next(iterator) for _ in range(3)]
+    assert all(len(b[0]) == 16 for b in first)
+
+
+def test_readme_webloader_example(urls) -> None:
+    dataset = (
+        wds.WebDataset(urls, resampled=True, shardshuffle=False, nodesplitter=wds.split_by_node)
+        .shuffle(100)
+        .decode()
+        .to_tuple("txt", "cls")
+        .batched(8)
+    )
+    loader = wds.WebLoader(dataset, batch_size=None, num_workers=2)
+    loader = loader.unbatched().shuffle(50).batched(12).with_epoch(5)
+    batches = list(loader)
+    assert len(batches) == 5 and all(len(b[0]) == 12 for b in batches)
+    state = loader.state_dict()
+    assert state["format"] == "wdsraft-pipeline-state"
+
+
+def test_split_by_node_with_ranks(urls, monkeypatch) -> None:
+    seen = []
+    for rank in range(2):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        dataset = wds.WebDataset(urls, shardshuffle=False, nodesplitter=wds.split_by_node).to_tuple("__key__")
+        seen.append({x[0] for x in dataset})
+    assert not seen[0] & seen[1] and len(seen[0] | seen[1]) == 88
+
+
+def test_slurm_variables_give_the_rank(urls, monkeypatch) -> None:
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    assert tuple(wds.distributed.worker_info())[:2] == (1, 4)
