@@ -60,13 +60,16 @@ def test_property_loader_kill_points(urls, workers, kill, main_shuffle) -> None:
     assert resume(make, states[min(kill, len(states) - 1)]) == full[min(kill, len(states) - 1) :]
 
 
-def test_loader_epochs_and_set_epoch(urls) -> None:
-    loader = _loader(urls, 2)
-    first = [identity(b) for b in loader]
-    second = [identity(b) for b in loader]
-    assert sorted(first) != first or first != second  # the second epoch is reshuffled
-    flat = sorted(k for b in second for k in b[0])
-    assert flat == [f"{n:05d}" for n in range(88)]
+@pytest.mark.parametrize("persistent", [False, True])
+def test_each_loader_epoch_reshuffles_in_the_workers(urls, persistent: bool) -> None:
+    """webdataset's workers start every epoch from the same copy (same order); here epochs differ."""
+    dataset = wds.WebDataset(urls, shardshuffle=8, seed=3).shuffle(5, seed=4).to_tuple("__key__").batched(3)
+    loader = wds.WebLoader(dataset, batch_size=None, num_workers=2, persistent_workers=persistent)
+    epochs = [[k for batch in loader for k in batch[0]] for _ in range(3)]
+    assert all(sorted(e) == [f"{n:05d}" for n in range(88)] for e in epochs)
+    assert epochs[0] != epochs[1] != epochs[2]
+    again = wds.WebLoader(dataset, batch_size=None, num_workers=2, persistent_workers=persistent)
+    assert [k for batch in again for k in batch[0]] == epochs[0]  # and epoch 0 is reproducible
 
 
 def test_loader_state_survives_torch_save(urls) -> None:

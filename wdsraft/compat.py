@@ -58,7 +58,9 @@ class WebDataset(DataPipeline, FluidInterface):
 
     Checkpointable with ``state_dict()``/``load_state_dict()``. Without ``seed``, a random
     seed is drawn (as webdataset does) and carried in the state, so a restore into a
-    fresh ``WebDataset`` built the same way continues with it.
+    fresh ``WebDataset`` built the same way continues with it. The shard order changes
+    every epoch (epoch 0 is webdataset's); ``reshuffle_each_epoch=False`` keeps
+    webdataset's same-order-every-epoch behaviour.
     """
 
     def __init__(
@@ -80,6 +82,7 @@ class WebDataset(DataPipeline, FluidInterface):
         empty_check: bool = True,
         verbose: bool = False,
         seed: Any = None,
+        reshuffle_each_epoch: bool = True,
     ):
         super().__init__()
         if resampled:
@@ -109,7 +112,9 @@ class WebDataset(DataPipeline, FluidInterface):
             if detshuffle:
                 self.shard_shuffle = filters.detshuffle(shardshuffle, seed=self.seed)
             else:
-                self.shard_shuffle = filters.shuffle(shardshuffle, seed=self.seed)
+                self.shard_shuffle = filters.shuffle(
+                    shardshuffle, seed=self.seed, reshuffle_each_epoch=reshuffle_each_epoch
+                )
             self.append(self.shard_shuffle)
         self.append(
             TarfileToSamples(handler=handler, select_files=select_files, rename_files=rename_files, local_path=True)
@@ -184,6 +189,8 @@ class LoaderSource(SourceStage):
     by how far into the epoch the checkpoint is).
     """
 
+    needs_live_addresses = True
+
     def __init__(self, loader: StatefulDataLoader):
         self.loader = loader
         self._snapshots: dict[int, dict[str, Any]] = {}
@@ -206,6 +213,12 @@ class LoaderSource(SourceStage):
         if state is not None:
             self.loader.load_state_dict(state["loader"])
             self._fetched = state["base"]
+        else:
+            # Workers get a copy of the dataset for each epoch (unless persistent): hand them this epoch,
+            # or every epoch would shuffle like the first (webdataset's non-persistent worker problem).
+            set_epoch = getattr(self.loader.dataset, "set_epoch", None)
+            if set_epoch is not None and not self.loader.persistent_workers:
+                set_epoch(ctx.epoch)
         iterator = iter(self.loader)
         # Re-fetch now the batches whose items the restored stages downstream hold: they ask for them
         # before they pull anything from this stage.
@@ -258,7 +271,10 @@ class WebLoader(DataPipeline, FluidInterface):
     """
 
     def __init__(self, *args: Any, **kw: Any):
-        super().__init__(LoaderSource(StatefulDataLoader(*args, **kw)))
+        with warnings.catch_warnings():  # torchdata 0.11 calls a deprecated torch API on every construction
+            warnings.filterwarnings("ignore", message=".*set_vital.*is deprecated")
+            loader = StatefulDataLoader(*args, **kw)
+        super().__init__(LoaderSource(loader))
 
     @property
     def loader(self) -> StatefulDataLoader:

@@ -151,7 +151,7 @@ class shuffle(Stage):
         return {"rng": self._start_rng}
 
     def state_dict(self) -> dict[str, Any]:
-        if any(address is None for address in self._addresses):
+        if None in self._addresses:
             raise StateMismatchError(
                 f"cannot save stage {self.index} (shuffle): it holds items whose position in the shards is unknown "
                 "(a stage before it merges items, e.g. batched); shuffle before batching"
@@ -260,7 +260,7 @@ class batched(Stage):
         return {"batchsize": self.batchsize, "collation_fn": describe(self.collation_fn), "partial": self.partial}
 
     def state_dict(self) -> dict[str, Any]:
-        if any(address is None for address in self._addresses):
+        if None in self._addresses:
             raise StateMismatchError(f"cannot save stage {self.index} (batched): its partial batch has no positions")
         return {"partial": pack_addresses(self._addresses)}  # type: ignore[arg-type]
 

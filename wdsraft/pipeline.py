@@ -33,6 +33,7 @@ import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
 from itertools import islice
+from operator import itemgetter
 from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset
@@ -47,33 +48,39 @@ Address = tuple  # (source-specific fields..., sub-index)
 
 
 def pack_addresses(addresses: list[Address]) -> dict[str, Any]:
-    """Addresses as a compact plain-data record: string fields (shard URLs) go to a table, the rest
-    is one flat list of ints (about 10 bytes per address in msgpack)."""
+    """Addresses as a compact plain-data record, column by column: string fields (shard URLs)
+    become indexes into a table of the distinct strings, int fields stay lists of ints (about
+    10 bytes per address in msgpack). Built with C-level transposes and maps: a few tenths of a
+    millisecond for 10,000 addresses, so a state can be taken every step."""
     if not addresses:
-        return {"width": 0, "strings": [], "string_fields": [], "values": []}
-    width = len(addresses[0])
+        return {"width": 0, "strings": [], "string_fields": [], "columns": []}
+    # One C-level pass per field (not zip(*addresses), whose per-row iterators wake the cycle
+    # collector, which then walks every buffered sample).
+    columns = [list(map(itemgetter(i), addresses)) for i in range(len(addresses[0]))]
     string_fields = [i for i, field in enumerate(addresses[0]) if isinstance(field, str)]
-    table: dict[str, int] = {}
-    values: list[int] = []
-    for address in addresses:
-        for i, field in enumerate(address):
-            values.append(table.setdefault(field, len(table)) if i in string_fields else field)
-    return {"width": width, "strings": list(table), "string_fields": string_fields, "values": values}
+    strings: list[str] = []
+    packed: list[list[Any]] = []
+    for i, column in enumerate(columns):
+        if i in string_fields:
+            table = dict.fromkeys(column)
+            base = len(strings)
+            strings.extend(table)
+            lookup = {value: base + n for n, value in enumerate(table)}
+            packed.append(list(map(lookup.__getitem__, column)))
+        else:
+            packed.append(column)
+    return {"width": len(columns), "strings": strings, "string_fields": string_fields, "columns": packed}
 
 
 def unpack_addresses(record: dict[str, Any]) -> list[Address]:
-    width, strings, string_fields, values = (
-        record["width"],
-        record["strings"],
-        set(record["string_fields"]),
-        record["values"],
-    )
-    if width == 0:
+    if record["width"] == 0:
         return []
-    return [
-        tuple(strings[values[row + i]] if i in string_fields else values[row + i] for i in range(width))
-        for row in range(0, len(values), width)
+    strings, string_fields = record["strings"], set(record["string_fields"])
+    columns = [
+        [strings[i] for i in column] if position in string_fields else column
+        for position, column in enumerate(record["columns"])
     ]
+    return list(zip(*columns))
 
 
 class Context:
@@ -183,6 +190,9 @@ class Stage:
 
 class SourceStage(Stage):
     """A stage that produces raw items with addresses and can re-read items by address."""
+
+    #: Whether ``source_state`` needs the addresses downstream stages hold (costly to gather every step).
+    needs_live_addresses = False
 
     def rematerialize(self, addresses: list[Address]) -> list[Any]:
         raise NotImplementedError
@@ -468,9 +478,10 @@ class _Pass:
                 continue  # saved last: it needs the addresses the stages after it hold
             else:
                 states[str(index)] = stage.state_dict()
-                live.extend(stage.addresses())
         if self.source_index is not None:
             source = self.stages[self.source_index]
+            if source.needs_live_addresses:
+                live = self.ctx.live_addresses()
             states[str(self.source_index)] = source.source_state(live)
         return states
 
@@ -488,6 +499,9 @@ class _Iteration:
         self.stage_states = pending["stages"] if pending else None
         self.finished = False
         self.current: _Pass | None = None
+        # The configuration cannot change during an iteration: describe it once, not at every state_dict().
+        self.config = describe({**pipeline.config(), "worker": list(info)})
+        self.fingerprint = pipeline.fingerprint(info)
 
     @property
     def epoch(self) -> int:
@@ -535,8 +549,8 @@ class _Iteration:
         return {
             "format": STATE_FORMAT,
             "version": STATE_VERSION,
-            "fingerprint": pipeline.fingerprint(self.info),
-            "config": describe({**pipeline.config(), "worker": list(self.info)}),
+            "fingerprint": self.fingerprint,
+            "config": copy.deepcopy(self.config),
             "epoch": self.first_epoch,
             "repetition": self.repetition,
             "yielded": self.yielded,

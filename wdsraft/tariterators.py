@@ -9,7 +9,9 @@ handler protocol. Each sample also carries ``__ordinal__`` and ``__offset__`` (s
 
 from __future__ import annotations
 
+import io
 import logging
+import os
 import re
 from collections.abc import Callable, Iterable, Iterator
 from typing import IO, Any
@@ -18,11 +20,12 @@ from urllib.parse import urlparse
 from webdataset.handlers import reraise_exception
 from webdataset.tariterators import base_plus_ext, group_by_keys, valid_sample
 
+from .errors import IndexFormatError
 from .gopen import open_shard
 from .pipeline import Address, Context, SourceStage
 from .positions import OFFSET_FIELD, ORDINAL_FIELD
 from .state import StateMismatchError, describe
-from .tarformat import TarMember, TarMemberReader
+from .tarformat import BLOCK, TarMember, TarMemberReader
 
 __all__ = [
     "ShardSampleReader",
@@ -266,7 +269,7 @@ class TarfileToSamples(SourceStage):
         self._live = dict(state) if state is not None else self._fresh()
         return self._samples(ctx, src, state)
 
-    def _reader(self, url: str, offset: int, ordinal: int) -> ShardSampleReader:
+    def _reader(self, url: str, offset: int, ordinal: int, block_size: int = 1 << 20) -> ShardSampleReader:
         return ShardSampleReader(
             url,
             offset=offset,
@@ -274,6 +277,7 @@ class TarfileToSamples(SourceStage):
             handler=self.handler,
             select_files=self.select_files,
             rename_files=self.rename_files,
+            block_size=block_size,
         )
 
     def _samples(self, ctx: Context, src: Iterator[Any], resume: dict[str, Any] | None) -> Iterator[dict[str, Any]]:
@@ -321,30 +325,94 @@ class TarfileToSamples(SourceStage):
             )
 
     def rematerialize(self, addresses: list[Address]) -> list[Any]:
-        """Re-read samples by (url, ordinal, offset): one forward read per shard, from the first wanted offset."""
+        """Re-read samples by (url, ordinal, offset).
+
+        A local, uncompressed shard with an index is read sample by sample (one positioned
+        read of exactly each sample's bytes), so the cost follows the number of samples
+        wanted and nothing else. Otherwise the wanted offsets are grouped into runs of nearby
+        samples, each read forward from its first offset (one request per run on S3/HTTP).
+        """
         wanted: dict[str, dict[int, list[int]]] = {}
-        for slot, (url, _ordinal, offset, _sub) in enumerate(addresses):
+        ordinals: dict[tuple[str, int], int] = {}
+        for slot, (url, ordinal, offset, _sub) in enumerate(addresses):
             wanted.setdefault(url, {}).setdefault(offset, []).append(slot)
+            ordinals[url, offset] = ordinal
         found: list[Any] = [None] * len(addresses)
         for url, by_offset in wanted.items():
-            first = min(by_offset)
-            first_ordinal = next(addresses[slots[0]][1] for off, slots in by_offset.items() if off == first)
-            remaining = len(by_offset)
-            local = _local_path(url) if self.local_path else None
-            for sample in self._reader(url, first, first_ordinal):
-                slots = by_offset.get(sample[OFFSET_FIELD])
-                if slots is None:
-                    continue
-                if local is not None:
+            local = _local_path(url)
+            samples = self._read_spans(url, local, by_offset, ordinals) if local is not None else None
+            if samples is None:
+                samples = self._read_runs(url, by_offset, ordinals)
+            for offset, sample in samples.items():
+                if self.local_path and local is not None:
                     sample["__local_path__"] = local
+                slots = by_offset[offset]
                 for slot in slots:
                     found[slot] = sample if slot == slots[0] else dict(sample)
-                remaining -= 1
-                if remaining == 0:
-                    break
-            if remaining:
-                raise StateMismatchError(f"{url}: {remaining} saved sample positions were not found in the shard")
         return found
+
+    def _read_spans(
+        self, url: str, path: str, by_offset: dict[int, list[int]], ordinals: dict[tuple[str, int], int]
+    ) -> dict[int, dict[str, Any]] | None:
+        from .index import ShardIndex  # the index module reads shards with this one: import late
+
+        try:
+            index = ShardIndex.load(url)
+        except (IndexFormatError, OSError):
+            return None
+        if index.compression is not None:
+            return None
+        samples = {}
+        with open(path, "rb", buffering=0) as raw:
+            for offset in sorted(by_offset):
+                ordinal = ordinals[url, offset]
+                if index.offset_of(ordinal) != offset:
+                    raise StateMismatchError(f"{url}: sample {ordinal} is not at byte {offset}: the shard changed")
+                span = os.pread(raw.fileno(), index.offsets[ordinal + 1] - offset, offset)
+                stream = io.BytesIO(span + bytes(2 * BLOCK))  # end-of-archive blocks after the one sample
+                reader = ShardSampleReader(
+                    url,
+                    offset=offset,
+                    ordinal=ordinal,
+                    handler=self.handler,
+                    select_files=self.select_files,
+                    rename_files=self.rename_files,
+                    stream=stream,
+                    block_size=len(span) + 2 * BLOCK,
+                )
+                sample = next(iter(reader), None)
+                if sample is None:
+                    raise StateMismatchError(f"{url}: no sample at byte {offset}")
+                samples[offset] = sample
+        return samples
+
+    def _read_runs(
+        self, url: str, by_offset: dict[int, list[int]], ordinals: dict[tuple[str, int], int]
+    ) -> dict[int, dict[str, Any]]:
+        samples = {}
+        for run in _runs(sorted(by_offset)):
+            pending = set(run)
+            for sample in self._reader(url, run[0], ordinals[url, run[0]], block_size=1 << 16):
+                offset = sample[OFFSET_FIELD]
+                if offset in pending:
+                    pending.discard(offset)
+                    samples[offset] = sample
+                if not pending or offset > run[-1]:
+                    break
+            if pending:
+                raise StateMismatchError(f"{url}: saved sample positions {sorted(pending)[:5]} not found")
+        return samples
+
+
+def _runs(offsets: list[int], gap: int = 1 << 18) -> list[list[int]]:
+    """Sorted offsets split where two neighbours lie more than ``gap`` bytes apart."""
+    runs: list[list[int]] = []
+    for offset in offsets:
+        if runs and offset - runs[-1][-1] <= gap:
+            runs[-1].append(offset)
+        else:
+            runs.append([offset])
+    return runs
 
 
 def _local_path(url: str) -> str | None:
