@@ -80,7 +80,7 @@ def unpack_addresses(record: dict[str, Any]) -> list[Address]:
         [strings[i] for i in column] if position in string_fields else column
         for position, column in enumerate(record["columns"])
     ]
-    return list(zip(*columns))
+    return list(zip(*columns, strict=True))
 
 
 class Context:
