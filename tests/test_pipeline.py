@@ -47,11 +47,13 @@ def _quiet_webdataset_warnings():
 def identity(item: Any) -> Any:
     """A comparable identity for samples, tuples and batches."""
     if isinstance(item, dict):
-        return item["__key__"] if "__key__" in item else json.dumps(item, sort_keys=True)
+        if "__key__" in item:
+            return item["__key__"]
+        return tuple((key, identity(value)) for key, value in sorted(item.items()))
+    if isinstance(item, (torch.Tensor, np.ndarray)):
+        return identity(item.tolist())
     if isinstance(item, (list, tuple)):
         return tuple(identity(x) for x in item)
-    if isinstance(item, torch.Tensor):
-        return tuple(item.tolist())
     return item
 
 

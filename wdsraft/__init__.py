@@ -67,6 +67,16 @@ from .filters import (
 )
 from .gopen import gopen, open_shard
 from .index import Manifest, ShardIndex, build_index
+from .llm import (
+    as_tokenizer,
+    chunk,
+    collate_sequences,
+    concat_chunk,
+    ensure_bos_eos,
+    pack_bestfit,
+    pad,
+    tokenize,
+)
 from .pipeline import DataPipeline, Stage
 from .positions import Position
 from .shardlists import (
@@ -116,11 +126,16 @@ __all__ = [
     "TarfileToSamples",
     "WebDataset",
     "WebLoader",
+    "as_tokenizer",
     "associate",
     "batched",
     "build_index",
+    "chunk",
+    "collate_sequences",
+    "concat_chunk",
     "decode",
     "detshuffle",
+    "ensure_bos_eos",
     "extract_keys",
     "getfirst",
     "gopen",
@@ -137,6 +152,8 @@ __all__ = [
     "non_empty",
     "numpy_dumps",
     "open_shard",
+    "pack_bestfit",
+    "pad",
     "pipe_cleaner",
     "pipelinefilter",
     "pytorch_weights_only",
@@ -157,6 +174,7 @@ __all__ = [
     "tarfile_to_samples",
     "tenbin",
     "to_tuple",
+    "tokenize",
     "torch_audio",
     "torch_dumps",
     "torch_loads",

@@ -20,7 +20,7 @@ from webdataset import shardlists as webdataset_shardlists
 from webdataset.compat import FluidInterface as WebdatasetFluidInterface
 from webdataset.handlers import reraise_exception
 
-from . import filters
+from . import filters, llm
 from .pipeline import Address, Context, DataPipeline, SourceStage
 from .shardlists import ResampledShards, SimpleShardList, single_node_only, split_by_worker
 from .state import describe
@@ -51,6 +51,27 @@ class FluidInterface(WebdatasetFluidInterface):
 
     def slice(self, *args: int | None) -> Any:
         return self.compose(filters.slice(*args))
+
+    # -- LLM stages (epochraft's names) --
+
+    def tokenize(self, tokenizer: Any, text: Any = "txt", batch_size: int = 64, num_threads: int | None = None) -> Any:
+        """Add ``input_ids``: the text (a field, ``"json:text"``, or a function) tokenized in batches."""
+        return self.compose(llm.Tokenize(tokenizer, text=text, batch_size=batch_size, num_threads=num_threads))
+
+    def ensure_bos_eos(self, tokenizer: Any = None, bos_id: int | None = None, eos_id: int | None = None) -> Any:
+        return self.compose(llm.ensure_bos_eos(tokenizer, bos_id=bos_id, eos_id=eos_id))
+
+    def concat_chunk(self, length: int, pad_id: int = 0) -> Any:
+        return self.compose(llm.ConcatChunk(length, pad_id))
+
+    def chunk(self, length: int, drop_remainder: bool = True, pad_id: int = 0) -> Any:
+        return self.compose(llm.Chunk(length, drop_remainder, pad_id))
+
+    def pad(self, length: int, pad_id: int = 0) -> Any:
+        return self.compose(llm.pad(length, pad_id))
+
+    def pack_bestfit(self, length: int, buffer: int = 1024, pad_id: int = 0) -> Any:
+        return self.compose(llm.PackBestFit(length, buffer, pad_id))
 
 
 class WebDataset(DataPipeline, FluidInterface):

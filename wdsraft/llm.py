@@ -1,0 +1,564 @@
+"""LLM stages: tokenize, add BOS/EOS, and cut or pack token streams into fixed-length sequences.
+
+The stage names are epochraft's: ``tokenize``, ``ensure_bos_eos``, ``concat_chunk``,
+``chunk``, ``pad``, plus ``pack_bestfit``. Every stage that holds tokens between two
+outputs is checkpointable: it saves *where* the tokens came from (the document's position
+in the shards and a token offset), not the tokens, and re-tokenizes on restore.
+
+Each emitted sequence is a dict of torch tensors of length ``n`` -- ``input_ids``,
+``labels`` (-100 on padding), ``attention_mask``, ``position_ids`` (restarting at every
+document) -- plus ``cu_seqlens`` (document boundaries for variable-length attention) and
+``__provenance__``: one ``[shard, ordinal, offset, token_start, token_end, is_last]`` per
+document piece it holds, which is what the ledger records as consumed.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import json
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .pipeline import Address, AddressTracker, Context, Stage, pack_addresses, unpack_addresses
+from .state import StateMismatchError
+
+__all__ = [
+    "Chunk",
+    "ConcatChunk",
+    "PackBestFit",
+    "Tokenize",
+    "as_tokenizer",
+    "chunk",
+    "collate_sequences",
+    "concat_chunk",
+    "ensure_bos_eos",
+    "pack_bestfit",
+    "pad",
+    "tokenize",
+]
+
+TOKENS = "input_ids"
+PROVENANCE = "__provenance__"
+IGNORE_INDEX = -100
+
+
+# -- tokenizers ------------------------------------------------------------------------------------
+
+
+class TokenizerAdapter:
+    """One interface over tiktoken, ``tokenizers`` and transformers: texts in, token id arrays out."""
+
+    bos_id: int | None = None
+    eos_id: int | None = None
+    pad_id: int | None = None
+    name = "?"
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        raise NotImplementedError
+
+
+class TiktokenTokenizer(TokenizerAdapter):
+    """A tiktoken ``Encoding``: special-token text is encoded as ordinary text, as ``encode_ordinary``."""
+
+    def __init__(self, encoding: Any, num_threads: int = 1):
+        self.encoding = encoding
+        self.num_threads = num_threads
+        self.eos_id = encoding.eot_token
+        self.name = f"tiktoken:{encoding.name}"
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        if self.num_threads <= 1:  # straight into numpy: no Python list of ints per document
+            return [self.encoding.encode_to_numpy(text, disallowed_special=()) for text in texts]
+        batches = self.encoding.encode_ordinary_batch(texts, num_threads=self.num_threads)
+        return [np.asarray(ids, dtype=np.uint32) for ids in batches]
+
+
+class HFTokenizer(TokenizerAdapter):
+    """A ``tokenizers.Tokenizer`` or a transformers fast tokenizer (its Rust backend does the work)."""
+
+    def __init__(self, tokenizer: Any, num_threads: int | None = None):
+        backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+        self.backend = backend
+        self.num_threads = num_threads
+        self.bos_id = getattr(tokenizer, "bos_token_id", None)
+        self.eos_id = getattr(tokenizer, "eos_token_id", None)
+        self.pad_id = getattr(tokenizer, "pad_token_id", None)
+        self.name = f"hf:{type(tokenizer).__name__}:{backend.get_vocab_size()}"
+        self._encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        encodings = self._encode(texts, add_special_tokens=False)
+        return [np.asarray(encoding.ids, dtype=np.uint32) for encoding in encodings]
+
+
+def as_tokenizer(tokenizer: Any, num_threads: int | None = None) -> TokenizerAdapter:
+    """Wrap a tiktoken ``Encoding``, a ``tokenizers.Tokenizer`` or a transformers fast tokenizer."""
+    if isinstance(tokenizer, TokenizerAdapter):
+        return tokenizer
+    if hasattr(tokenizer, "encode_ordinary_batch") and hasattr(tokenizer, "eot_token"):
+        return TiktokenTokenizer(tokenizer, num_threads or 1)
+    if hasattr(tokenizer, "encode_batch") or hasattr(tokenizer, "backend_tokenizer"):
+        return HFTokenizer(tokenizer, num_threads)
+    raise TypeError(
+        f"unsupported tokenizer {type(tokenizer).__name__}: pass a tiktoken Encoding, a tokenizers.Tokenizer "
+        "or a transformers PreTrainedTokenizerFast"
+    )
+
+
+def text_getter(text: str | Callable[[Any], str]) -> Callable[[Any], str]:
+    """Where a sample's text is: a field (``"txt"``), a field of a JSON field (``"json:text"``), or a function."""
+    if callable(text):
+        return text
+    field, _, inner = text.partition(":")
+
+    def get(sample: Any) -> str:
+        value = sample[field]
+        if inner:
+            value = (json.loads(value) if isinstance(value, (bytes, str)) else value)[inner]
+        return value.decode("utf-8") if isinstance(value, (bytes, bytearray)) else str(value)
+
+    return get
+
+
+# -- tokenize --------------------------------------------------------------------------------------
+
+
+class Tokenize(Stage):
+    """Tokenize documents in batches with the tokenizer's own batch call; order is kept.
+
+    Adds ``input_ids`` (a uint32 numpy array) to each sample. Holds a batch between
+    outputs: its state is the addresses of the documents not yet handed out.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        text: str | Callable[[Any], str] = "txt",
+        batch_size: int = 64,
+        num_threads: int | None = None,
+    ):
+        self.tokenizer = as_tokenizer(tokenizer, num_threads)
+        self.text = text
+        self.get_text = text_getter(text)
+        self.batch_size = batch_size
+        self._pending: list[Address | None] = []
+
+    def config(self) -> dict[str, Any]:
+        return {"tokenizer": self.tokenizer.name, "text": str(self.text), "batch_size": self.batch_size}
+
+    def _tokenized(self, samples: list[Any]) -> list[Any]:
+        arrays = self.tokenizer.encode_batch([self.get_text(sample) for sample in samples])
+        out = []
+        for sample, ids in zip(samples, arrays, strict=True):
+            item = dict(sample) if isinstance(sample, dict) else {"sample": sample}
+            item[TOKENS] = ids
+            out.append(item)
+        return out
+
+    def replay(self, src: Iterator[Any]) -> Iterator[Any]:
+        for sample in src:
+            yield from self._tokenized([sample])
+
+    def state_dict(self) -> dict[str, Any]:
+        if None in self._pending:
+            raise StateMismatchError(f"cannot save stage {self.index} (tokenize): documents without positions")
+        return {"pending": pack_addresses(self._pending)}  # type: ignore[arg-type]
+
+    def addresses(self) -> list[Address]:
+        return [address for address in self._pending if address is not None]
+
+    def run(self, ctx: Context, src: Iterator[Any] | None, state: dict[str, Any] | None) -> Iterator[Any]:
+        assert src is not None
+        self._pending = unpack_addresses(state["pending"]) if state else []  # type: ignore[assignment]
+        return self._run(ctx, src)
+
+    def _run(self, ctx: Context, src: Iterator[Any]) -> Iterator[Any]:
+        pending = self._pending
+        if pending:  # restored: re-read and re-tokenize the documents the batch still held
+            documents = ctx.rematerializers[self.index](list(pending))  # type: ignore[arg-type]
+            yield from self._hand_out(ctx, self._tokenized(documents), pending)
+        tracker = AddressTracker(ctx)
+        batch: list[Any] = []
+        for sample in src:
+            batch.append(sample)
+            pending.append(tracker.address())
+            if len(batch) >= self.batch_size:
+                yield from self._hand_out(ctx, self._tokenized(batch), pending)
+                batch = []
+        if batch:
+            yield from self._hand_out(ctx, self._tokenized(batch), pending)
+
+    @staticmethod
+    def _hand_out(ctx: Context, items: list[Any], pending: list[Address | None]) -> Iterator[Any]:
+        for item in items:
+            address = pending.pop(0)
+            if address is not None:
+                ctx.stamp(address)
+            else:
+                ctx.provenance = None
+            yield item
+
+
+def tokenize(
+    tokenizer: Any, text: str | Callable[[Any], str] = "txt", batch_size: int = 64, num_threads: int | None = None
+) -> Tokenize:
+    return Tokenize(tokenizer, text=text, batch_size=batch_size, num_threads=num_threads)
+
+
+# -- BOS/EOS ---------------------------------------------------------------------------------------
+
+
+class ensure_bos_eos:
+    """Add BOS at the start and EOS at the end of each document where absent (epochraft's rule).
+
+    When BOS and EOS are the same id, a document never gets two in a row. A stateless map:
+    it holds nothing between items.
+    """
+
+    def __init__(self, tokenizer: Any = None, bos_id: int | None = None, eos_id: int | None = None):
+        if tokenizer is not None:
+            adapter = as_tokenizer(tokenizer)
+            bos_id = adapter.bos_id if bos_id is None else bos_id
+            eos_id = adapter.eos_id if eos_id is None else eos_id
+        if bos_id is None and eos_id is None:
+            raise ValueError("ensure_bos_eos: the tokenizer has neither BOS nor EOS; pass bos_id/eos_id")
+        self.bos_id = bos_id
+        self.eos_id = eos_id
+
+    def add(self, ids: np.ndarray) -> np.ndarray:
+        # BOS first, then EOS judged on the result: with BOS == EOS an empty document becomes [BOS]
+        # (which already ends with EOS), never [BOS, EOS].
+        if self.bos_id is not None and (len(ids) == 0 or ids[0] != self.bos_id):
+            ids = np.concatenate([np.asarray([self.bos_id], dtype=ids.dtype), ids])
+        if self.eos_id is not None and (len(ids) == 0 or ids[-1] != self.eos_id):
+            ids = np.concatenate([ids, np.asarray([self.eos_id], dtype=ids.dtype)])
+        return ids
+
+    def __call__(self, src: Iterator[Any]) -> Iterator[Any]:
+        for item in src:
+            item[TOKENS] = self.add(item[TOKENS])
+            yield item
+
+
+# -- sequences -------------------------------------------------------------------------------------
+
+Piece = tuple  # (tokens: np.ndarray, address, start, end, doc_length)
+
+
+def _position(address: Address | None) -> list[Any]:
+    return list(address[:-1]) if address is not None else [None, None, None]
+
+
+def build_sequence(pieces: Sequence[Piece], length: int, pad_id: int) -> dict[str, Any]:
+    """One training sequence from document pieces, padded to ``length``."""
+    tokens = [piece[0] for piece in pieces]
+    used = sum(len(t) for t in tokens)
+    ids = np.full(length, pad_id, dtype=np.int64)
+    if tokens:
+        ids[:used] = np.concatenate(tokens)
+    lengths = np.asarray([len(t) for t in tokens], dtype=np.int64)
+    starts = np.cumsum(lengths) - lengths
+    positions = np.zeros(length, dtype=np.int64)
+    positions[:used] = np.arange(used, dtype=np.int64) - np.repeat(starts, lengths)
+    mask = np.zeros(length, dtype=np.int64)
+    mask[:used] = 1
+    labels = ids.copy()
+    labels[used:] = IGNORE_INDEX
+    cu_seqlens = [0, *np.cumsum(lengths).tolist()]
+    provenance = [[*_position(address), start, end, end == total] for _, address, start, end, total in pieces]
+    return {
+        TOKENS: torch.from_numpy(ids),
+        "labels": torch.from_numpy(labels),
+        "attention_mask": torch.from_numpy(mask),
+        "position_ids": torch.from_numpy(positions),
+        "cu_seqlens": cu_seqlens,
+        PROVENANCE: provenance,
+    }
+
+
+class _SequenceStage(Stage):
+    """Shared machinery: tracks document addresses and saves held pieces as (address, start, end)."""
+
+    def __init__(self, length: int, pad_id: int = 0):
+        if length < 1:
+            raise ValueError("sequence length must be positive")
+        self.length = length
+        self.pad_id = pad_id
+        self._held: list[Piece] = []  # pieces received and not yet handed out, in order
+
+    def config(self) -> dict[str, Any]:
+        return {"length": self.length, "pad_id": self.pad_id}
+
+    def _save(self, pieces: Sequence[Piece]) -> dict[str, Any]:
+        if any(piece[1] is None for piece in pieces):
+            raise StateMismatchError(f"cannot save stage {self.index}: it holds documents without positions")
+        return {
+            "docs": pack_addresses([piece[1] for piece in pieces]),
+            "spans": [[piece[2], piece[3]] for piece in pieces],
+        }
+
+    def _restore(self, ctx: Context, saved: dict[str, Any]) -> list[Piece]:
+        addresses = unpack_addresses(saved["docs"])
+        if not addresses:
+            return []
+        unique = list(dict.fromkeys(addresses))
+        documents = dict(zip(unique, ctx.rematerializers[self.index](unique), strict=True))
+        pieces = []
+        for address, (start, end) in zip(addresses, saved["spans"], strict=True):
+            tokens = documents[address][TOKENS]
+            pieces.append((tokens[start:end], address, start, end, len(tokens)))
+        return pieces
+
+    def addresses(self) -> list[Address]:
+        return [piece[1] for piece in self._held if piece[1] is not None]
+
+    def _sequence(self, pieces: Sequence[Piece]) -> dict[str, Any]:
+        return build_sequence(pieces, self.length, self.pad_id)
+
+    def _emit(self, ctx: Context, pieces: Sequence[Piece]) -> dict[str, Any]:
+        ctx.provenance = None  # a sequence has many sources: later stages cannot address it
+        return self._sequence(pieces)
+
+
+class ConcatChunk(_SequenceStage):
+    """Concatenate documents and cut the stream into sequences of ``length`` tokens.
+
+    Nothing is dropped: the tokens left at the end of the input form a last, padded
+    sequence. Between outputs the stage holds the unfinished tail of the stream, saved as
+    (document address, token range).
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._save(self._held)
+
+    def run(self, ctx: Context, src: Iterator[Any] | None, state: dict[str, Any] | None) -> Iterator[Any]:
+        assert src is not None
+        self._saved = state
+        self._held = []
+        return self._run(ctx, src)
+
+    def _run(self, ctx: Context, src: Iterator[Any]) -> Iterator[Any]:
+        held = self._held
+        if self._saved is not None:
+            held.extend(self._restore(ctx, self._saved))
+        total = sum(len(piece[0]) for piece in held)
+        tracker = AddressTracker(ctx)
+        for item in src:
+            tokens = item[TOKENS]
+            held.append((tokens, tracker.address(), 0, len(tokens), len(tokens)))
+            total += len(tokens)
+            while total >= self.length:
+                out, rest = _take(held, self.length)
+                held[:] = rest
+                total -= self.length
+                yield self._emit(ctx, out)
+        if held and total > 0:
+            out = list(held)
+            held.clear()
+            yield self._emit(ctx, out)
+
+
+def _take(pieces: list[Piece], count: int) -> tuple[list[Piece], list[Piece]]:
+    """Split a list of pieces after ``count`` tokens."""
+    taken: list[Piece] = []
+    for i, (tokens, address, start, end, total) in enumerate(pieces):
+        if count >= len(tokens):
+            taken.append((tokens, address, start, end, total))
+            count -= len(tokens)
+            if count == 0:
+                return taken, pieces[i + 1 :]
+            continue
+        taken.append((tokens[:count], address, start, start + count, total))
+        rest = [(tokens[count:], address, start + count, end, total), *pieces[i + 1 :]]
+        return taken, rest
+    return taken, []
+
+
+class Chunk(_SequenceStage):
+    """One document per sequence: cut each document into pieces of ``length`` tokens.
+
+    The last piece of a document, shorter than ``length``, is dropped with
+    ``drop_remainder=True`` (the default) and padded otherwise.
+    """
+
+    def __init__(self, length: int, drop_remainder: bool = True, pad_id: int = 0):
+        super().__init__(length, pad_id)
+        self.drop_remainder = drop_remainder
+
+    def config(self) -> dict[str, Any]:
+        return {**super().config(), "drop_remainder": self.drop_remainder}
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._save(self._held)
+
+    def run(self, ctx: Context, src: Iterator[Any] | None, state: dict[str, Any] | None) -> Iterator[Any]:
+        assert src is not None
+        self._saved = state
+        self._held = []
+        return self._run(ctx, src)
+
+    def _run(self, ctx: Context, src: Iterator[Any]) -> Iterator[Any]:
+        if self._saved is not None:
+            self._held.extend(self._restore(ctx, self._saved))
+            yield from self._cut(ctx)
+        tracker = AddressTracker(ctx)
+        for item in src:
+            tokens = item[TOKENS]
+            self._held.append((tokens, tracker.address(), 0, len(tokens), len(tokens)))
+            yield from self._cut(ctx)
+
+    def _cut(self, ctx: Context) -> Iterator[Any]:
+        while self._held:
+            tokens, address, start, end, total = self._held[0]
+            if len(tokens) >= self.length:
+                piece = (tokens[: self.length], address, start, start + self.length, total)
+                rest = (tokens[self.length :], address, start + self.length, end, total)
+                self._held[0] = rest
+                if len(rest[0]) == 0:
+                    self._held.pop(0)
+                yield self._emit(ctx, [piece])
+            else:
+                self._held.pop(0)
+                if len(tokens) and not self.drop_remainder:
+                    yield self._emit(ctx, [(tokens, address, start, end, total)])
+
+
+class pad:
+    """One document per sequence, truncated to ``length`` and padded (supervised fine-tuning).
+
+    A stateless map: it holds nothing between items. Provenance marks whether the
+    document's last token made it into the sequence.
+    """
+
+    def __init__(self, length: int, pad_id: int = 0):
+        self.length = length
+        self.pad_id = pad_id
+
+    def __call__(self, src: Iterator[Any]) -> Iterator[Any]:
+        for item in src:
+            tokens = item[TOKENS]
+            kept = tokens[: self.length]
+            address = _item_address(item)
+            yield build_sequence([(kept, address, 0, len(kept), len(tokens))], self.length, self.pad_id)
+
+
+def _item_address(item: dict[str, Any]) -> Address | None:
+    if "__url__" in item and "__ordinal__" in item:
+        return (item["__url__"], item["__ordinal__"], item["__offset__"], 0)
+    return None
+
+
+class PackBestFit(_SequenceStage):
+    """Pack whole documents into sequences with best-fit-decreasing over a buffer of documents.
+
+    Documents longer than ``length`` are split into full sequences and a remainder; no
+    other document is cut. When ``buffer`` documents are held, they are packed: longest
+    first, each into the open sequence with the least room that still fits it. This wastes
+    a little padding instead of cutting documents in two as ``concat_chunk`` does.
+    """
+
+    def __init__(self, length: int, buffer: int = 1024, pad_id: int = 0):
+        super().__init__(length, pad_id)
+        self.buffer = buffer
+        self._ready: list[list[Piece]] = []  # packed sequences not yet handed out
+
+    def config(self) -> dict[str, Any]:
+        return {**super().config(), "buffer": self.buffer}
+
+    def state_dict(self) -> dict[str, Any]:
+        ready = [self._save(sequence) for sequence in self._ready]
+        return {"ready": ready, "held": self._save(self._held)}
+
+    def addresses(self) -> list[Address]:
+        return super().addresses() + [p[1] for sequence in self._ready for p in sequence if p[1] is not None]
+
+    def run(self, ctx: Context, src: Iterator[Any] | None, state: dict[str, Any] | None) -> Iterator[Any]:
+        assert src is not None
+        self._saved = state
+        self._held = []
+        self._ready = []
+        return self._run(ctx, src)
+
+    def _run(self, ctx: Context, src: Iterator[Any]) -> Iterator[Any]:
+        if self._saved is not None:
+            self._ready.extend(self._restore(ctx, saved) for saved in self._saved["ready"])
+            self._held.extend(self._restore(ctx, self._saved["held"]))
+            yield from self._hand_out(ctx)
+        tracker = AddressTracker(ctx)
+        n = self.length
+        for item in src:
+            tokens = item[TOKENS]
+            address = tracker.address()
+            full = len(tokens) // n if len(tokens) > n else 0
+            for k in range(full):  # a long document: full sequences first, the rest is packed
+                self._ready.append([(tokens[k * n : (k + 1) * n], address, k * n, (k + 1) * n, len(tokens))])
+            if len(tokens) - full * n > 0 or len(tokens) == 0:
+                rest = tokens[full * n :]
+                self._held.append((rest, address, full * n, len(tokens), len(tokens)))
+            if len(self._held) >= self.buffer:
+                self._ready.extend(self._pack(self._held))
+                self._held = []
+            yield from self._hand_out(ctx)
+        if self._held:
+            self._ready.extend(self._pack(self._held))
+            self._held = []
+        yield from self._hand_out(ctx)
+
+    def _hand_out(self, ctx: Context) -> Iterator[Any]:
+        while self._ready:
+            sequence = self._ready.pop(0)
+            yield self._emit(ctx, sequence)
+
+    def _pack(self, pieces: list[Piece]) -> list[list[Piece]]:
+        """Best-fit decreasing; ties broken by arrival order, so packing is deterministic."""
+        order = sorted(range(len(pieces)), key=lambda i: (-len(pieces[i][0]), i))
+        bins: list[list[Piece]] = []
+        room: list[tuple[int, int]] = []  # (free tokens, bin number), sorted
+        for i in order:
+            size = len(pieces[i][0])
+            slot = bisect.bisect_left(room, (size, -1))
+            if slot < len(room):
+                free, number = room.pop(slot)
+                bins[number].append(pieces[i])
+                bisect.insort(room, (free - size, number))
+            else:
+                bins.append([pieces[i]])
+                bisect.insort(room, (self.length - size, len(bins) - 1))
+        return bins
+
+
+def concat_chunk(length: int, pad_id: int = 0) -> ConcatChunk:
+    return ConcatChunk(length, pad_id)
+
+
+def chunk(length: int, drop_remainder: bool = True, pad_id: int = 0) -> Chunk:
+    return Chunk(length, drop_remainder, pad_id)
+
+
+def pack_bestfit(length: int, buffer: int = 1024, pad_id: int = 0) -> PackBestFit:
+    return PackBestFit(length, buffer, pad_id)
+
+
+def collate_sequences(sequences: list[dict[str, Any]]) -> dict[str, Any]:
+    """Stack sequences into a batch of tensors, with batch-level ``cu_seqlens`` and ``max_seqlen``
+    for variable-length attention over the flattened batch (flash-attn's varlen convention)."""
+    batch: dict[str, Any] = {
+        key: torch.stack([s[key] for s in sequences]) for key in (TOKENS, "labels", "attention_mask", "position_ids")
+    }
+    length = sequences[0][TOKENS].shape[0]
+    boundaries = [0]
+    lengths: list[int] = []
+    for row, sequence in enumerate(sequences):
+        bounds = sequence["cu_seqlens"]
+        lengths.extend(b - a for a, b in itertools.pairwise(bounds))
+        boundaries.extend(row * length + b for b in bounds[1:])
+        if bounds[-1] < length:  # padding forms its own segment, so rows stay aligned
+            boundaries.append((row + 1) * length)
+    batch["cu_seqlens"] = torch.tensor(boundaries, dtype=torch.int32)
+    batch["max_seqlen"] = max(lengths, default=0)
+    batch[PROVENANCE] = [s[PROVENANCE] for s in sequences]
+    return batch
