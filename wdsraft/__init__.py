@@ -36,7 +36,7 @@ from webdataset.mix import RandomMix, RoundRobin
 from webdataset.utils import PipelineStage, repeatedly
 from webdataset.writer import numpy_dumps, torch_dumps
 
-from . import autodecode, cache, extradatasets, handlers, mix, pytorch  # noqa: F401 - webdataset's submodule names
+from . import autodecode, cache, distributed, extradatasets, handlers, llm, mix, pytorch  # noqa: F401 - submodules
 from .compat import FluidInterface, FluidWrapper, WebDataset, WebLoader
 from .errors import IndexFormatError, TarFormatError
 from .filters import (
@@ -67,6 +67,7 @@ from .filters import (
 )
 from .gopen import gopen, open_shard
 from .index import Manifest, ShardIndex, build_index
+from .ledger import ConsumedSet, Ledger, LedgerError
 from .llm import (
     as_tokenizer,
     chunk,
@@ -98,6 +99,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Cached",
+    "ConsumedSet",
     "Continue",
     "DataPipeline",
     "Decoder",
@@ -107,6 +109,8 @@ __all__ = [
     "IndexFormatError",
     "LMDBCached",
     "LRUCleanup",
+    "Ledger",
+    "LedgerError",
     "Manifest",
     "MockDataset",
     "MultiShardSample",

@@ -220,8 +220,9 @@ class LoaderSource(SourceStage):
 
     def config(self) -> dict[str, Any]:
         loader = self.loader
+        dataset_config = getattr(loader.dataset, "config", None)
         return {
-            "dataset": describe(type(loader.dataset)),
+            "dataset": describe(dataset_config() if callable(dataset_config) else type(loader.dataset)),
             "batch_size": loader.batch_size,
             "num_workers": loader.num_workers,
             "drop_last": loader.drop_last,

@@ -48,6 +48,7 @@ from webdataset.filters import (
     xdecode,
 )
 
+from . import llm
 from .pipeline import Address, AddressTracker, Context, Stage, pack_addresses, unpack_addresses
 from .state import StateMismatchError, describe, make_seed, pack_rng, unpack_rng
 
@@ -292,7 +293,11 @@ class batched(Stage):
 
     def _emit(self, ctx: Context, batch: list[Any]) -> Any:
         ctx.provenance = None  # a batch has many sources: stages after it cannot address it
-        return self.collation_fn(list(batch)) if self.collation_fn is not None else list(batch)
+        if self.collation_fn is None:
+            return list(batch)
+        if self.collation_fn is default_collation_fn and llm.is_sequence(batch[0]):
+            return llm.collate_sequences(list(batch))  # webdataset's collation cannot stack cu_seqlens
+        return self.collation_fn(list(batch))
 
 
 class _Splitter(Stage):
@@ -426,13 +431,14 @@ class check_empty(Stage):
     def run(self, ctx: Context, src: Iterator[Any] | None, state: dict[str, Any] | None) -> Iterator[Any]:
         assert src is not None
         self._count = state["count"] if state else 0
-        return self._check(src)
+        # Resuming elastically, a worker may find all its shards consumed already: nothing is wrong.
+        return self._check(src, skipping=ctx.skip is not None)
 
-    def _check(self, src: Iterator[Any]) -> Iterator[Any]:
+    def _check(self, src: Iterator[Any], skipping: bool) -> Iterator[Any]:
         for sample in src:
             self._count += 1
             yield sample
-        if self._count == 0:
+        if self._count == 0 and not skipping:
             raise ValueError(
                 "No samples found in dataset; perhaps you have fewer shards than workers.\n"
                 "Turn off using empty_check=False in the WebDataset constructor."

@@ -42,6 +42,7 @@ __all__ = [
 ]
 
 TOKENS = "input_ids"
+TOKEN_START = "__token_start__"  # set by the reader for documents a ledger says were delivered in part
 PROVENANCE = "__provenance__"
 IGNORE_INDEX = -100
 
@@ -155,7 +156,9 @@ class Tokenize(Stage):
         out = []
         for sample, ids in zip(samples, arrays, strict=True):
             item = dict(sample) if isinstance(sample, dict) else {"sample": sample}
-            item[TOKENS] = ids
+            start = item.get(TOKEN_START, 0)
+            # A document partly delivered before an elastic resume goes on where it stopped.
+            item[TOKENS] = ids[start:] if start else ids
             out.append(item)
         return out
 
@@ -348,8 +351,8 @@ class ConcatChunk(_SequenceStage):
         total = sum(len(piece[0]) for piece in held)
         tracker = AddressTracker(ctx)
         for item in src:
-            tokens = item[TOKENS]
-            held.append((tokens, tracker.address(), 0, len(tokens), len(tokens)))
+            tokens, base = item[TOKENS], item.get(TOKEN_START, 0)  # (token ranges count in the whole document)
+            held.append((tokens, tracker.address(), base, base + len(tokens), base + len(tokens)))
             total += len(tokens)
             while total >= self.length:
                 out, rest = _take(held, self.length)
@@ -407,8 +410,8 @@ class Chunk(_SequenceStage):
             yield from self._cut(ctx)
         tracker = AddressTracker(ctx)
         for item in src:
-            tokens = item[TOKENS]
-            self._held.append((tokens, tracker.address(), 0, len(tokens), len(tokens)))
+            tokens, base = item[TOKENS], item.get(TOKEN_START, 0)
+            self._held.append((tokens, tracker.address(), base, base + len(tokens), base + len(tokens)))
             yield from self._cut(ctx)
 
     def _cut(self, ctx: Context) -> Iterator[Any]:
@@ -440,10 +443,11 @@ class pad:
 
     def __call__(self, src: Iterator[Any]) -> Iterator[Any]:
         for item in src:
-            tokens = item[TOKENS]
+            tokens, base = item[TOKENS], item.get(TOKEN_START, 0)
             kept = tokens[: self.length]
             address = _item_address(item)
-            yield build_sequence([(kept, address, 0, len(kept), len(tokens))], self.length, self.pad_id)
+            piece = (kept, address, base, base + len(kept), base + len(tokens))
+            yield build_sequence([piece], self.length, self.pad_id)
 
 
 def _item_address(item: dict[str, Any]) -> Address | None:
@@ -491,14 +495,15 @@ class PackBestFit(_SequenceStage):
         tracker = AddressTracker(ctx)
         n = self.length
         for item in src:
-            tokens = item[TOKENS]
+            tokens, base = item[TOKENS], item.get(TOKEN_START, 0)
             address = tracker.address()
+            end = base + len(tokens)
             full = len(tokens) // n if len(tokens) > n else 0
             for k in range(full):  # a long document: full sequences first, the rest is packed
-                self._ready.append([(tokens[k * n : (k + 1) * n], address, k * n, (k + 1) * n, len(tokens))])
+                piece = (tokens[k * n : (k + 1) * n], address, base + k * n, base + (k + 1) * n, end)
+                self._ready.append([piece])
             if len(tokens) - full * n > 0 or len(tokens) == 0:
-                rest = tokens[full * n :]
-                self._held.append((rest, address, full * n, len(tokens), len(tokens)))
+                self._held.append((tokens[full * n :], address, base + full * n, end, end))
             if len(self._held) >= self.buffer:
                 self._ready.extend(self._pack(self._held))
                 self._held = []
@@ -543,13 +548,26 @@ def pack_bestfit(length: int, buffer: int = 1024, pad_id: int = 0) -> PackBestFi
     return PackBestFit(length, buffer, pad_id)
 
 
+SEQUENCE_TENSORS = (TOKENS, "labels", "attention_mask", "position_ids")
+
+
+def is_sequence(item: Any) -> bool:
+    return isinstance(item, dict) and PROVENANCE in item and "cu_seqlens" in item
+
+
 def collate_sequences(sequences: list[dict[str, Any]]) -> dict[str, Any]:
-    """Stack sequences into a batch of tensors, with batch-level ``cu_seqlens`` and ``max_seqlen``
-    for variable-length attention over the flattened batch (flash-attn's varlen convention)."""
-    batch: dict[str, Any] = {
-        key: torch.stack([s[key] for s in sequences]) for key in (TOKENS, "labels", "attention_mask", "position_ids")
-    }
+    """Stack sequences into a batch of ``[batch, length]`` tensors, with batch-level ``cu_seqlens``
+    and ``max_seqlen`` for variable-length attention over the flattened batch (flash-attn's
+    convention). ``batched`` uses it for sequences by default.
+
+    The four tensors are views of one buffer: a batch crossing from a DataLoader worker to the
+    training process is one shared-memory transfer, not four.
+    """
     length = sequences[0][TOKENS].shape[0]
+    buffer = torch.empty((len(SEQUENCE_TENSORS), len(sequences), length), dtype=torch.int64)
+    for field, key in enumerate(SEQUENCE_TENSORS):
+        torch.stack([s[key] for s in sequences], out=buffer[field])
+    batch: dict[str, Any] = {key: buffer[field] for field, key in enumerate(SEQUENCE_TENSORS)}
     boundaries = [0]
     lengths: list[int] = []
     for row, sequence in enumerate(sequences):
@@ -562,3 +580,26 @@ def collate_sequences(sequences: list[dict[str, Any]]) -> dict[str, Any]:
     batch["max_seqlen"] = max(lengths, default=0)
     batch[PROVENANCE] = [s[PROVENANCE] for s in sequences]
     return batch
+
+
+def hf_from_tiktoken(vocab_file: str, special_tokens: dict[str, int] | None = None) -> Any:
+    """A transformers fast tokenizer that encodes exactly like a tiktoken BPE file (e.g. cl100k_base).
+
+    transformers' converter splits text with Oniguruma, which reads tiktoken's possessive
+    quantifiers (``\\p{N}{1,3}+``) as repetitions; its default, non-possessive pattern gives
+    the same pieces. Special tokens keep tiktoken's ids (cl100k's ``<|endoftext|>`` is 100257,
+    after a gap) by filling gaps with placeholders.
+    """
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    backend = TikTokenConverter(vocab_file=vocab_file).converted()
+    specials = special_tokens or {"<|endoftext|>": 100257}
+    for token, wanted in sorted(specials.items(), key=lambda item: item[1]):
+        while backend.get_vocab_size() < wanted:
+            backend.add_special_tokens([f"<|placeholder{backend.get_vocab_size()}|>"])
+        backend.add_special_tokens([token])
+        if backend.token_to_id(token) != wanted:
+            raise ValueError(f"cannot place {token} at id {wanted}")
+    eos = "<|endoftext|>" if "<|endoftext|>" in specials else None
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=eos)

@@ -101,6 +101,8 @@ class Context:
         self.live: Counter = Counter()
         self.rematerializers: dict[int, Callable[[list[Address]], list[Any]]] = {}
         self.stages: list[Any] = []
+        #: A ledger's consumed set for this epoch (elastic resume): the source skips these positions.
+        self.skip: Any = None
 
     def stamp(self, address: Address) -> None:
         self.provenance = address
@@ -214,6 +216,7 @@ class DataPipeline(IterableDataset, PipelineStage):
         self.epoch = -1  # the epoch of the current (or last) iteration; set_epoch() sets the next one
         self._next_epoch: int | None = None
         self._pending: dict[str, Any] | None = None
+        self._skip: tuple[int, Any] | None = None  # (epoch, consumed set) from a ledger
         # The iteration in progress, weakly: a strong reference would make a cycle through its generator,
         # and a DataLoader freed by the cycle collector rather than promptly stalls seconds in shutdown.
         self._live: weakref.ref[_Iteration] | None = None
@@ -285,6 +288,11 @@ class DataPipeline(IterableDataset, PipelineStage):
         """
         self._next_epoch = epoch
 
+    def skip_consumed(self, consumed: Any, epoch: int) -> None:
+        """Skip the positions a ledger says were consumed in ``epoch`` (an elastic resume): before any
+        shuffling, through the shard index, without reading them."""
+        self._skip = (epoch, consumed)
+
     # -- iteration -------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Any]:
@@ -340,6 +348,10 @@ class DataPipeline(IterableDataset, PipelineStage):
         if self._last_state is not None:
             return copy.deepcopy(self._last_state)
         return self._initial_state()
+
+    def matches(self, state: dict[str, Any]) -> bool:
+        """Whether ``state`` was saved by this configuration (exact resume is possible)."""
+        return isinstance(state, dict) and state.get("fingerprint") == self.fingerprint(worker_info())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from ``state`` at the next ``iter()``; fails loudly if the configuration changed."""
@@ -521,7 +533,10 @@ class _Iteration:
         limit = pipeline.nsamples if pipeline.repetitions != 1 and pipeline.nsamples > 0 else None
         while self.repetition < pipeline.repetitions and not (limit is not None and self.yielded >= limit):
             pipeline.epoch = self.epoch
-            self.current = _Pass(pipeline, Context(self.epoch, self.info), self.stage_states)
+            ctx = Context(self.epoch, self.info)
+            if pipeline._skip is not None and pipeline._skip[0] == self.epoch:
+                ctx.skip = pipeline._skip[1]
+            self.current = _Pass(pipeline, ctx, self.stage_states)
             self.stage_states = None
             window_full = False
             for item in self.current.iterator():

@@ -301,15 +301,17 @@ class TarfileToSamples(SourceStage):
                 if resume["done"]:
                     continue
             live.update(shards_started=started, url=url, offset=offset, ordinal=ordinal, done=False)
-            reader = self._reader(url, offset, ordinal)
             local = _local_path(url) if self.local_path else None
+            stopped = False
             try:
-                for sample in reader:
-                    live["offset"], live["ordinal"] = reader.next_offset, reader.next_ordinal
-                    if local is not None:
-                        sample["__local_path__"] = local
-                    ctx.stamp((url, sample[ORDINAL_FIELD], sample[OFFSET_FIELD], 0))
-                    yield sample
+                for reader in self._readers(ctx, url, offset, ordinal):
+                    for sample in reader:
+                        live["offset"], live["ordinal"] = reader.next_offset, reader.next_ordinal
+                        if local is not None:
+                            sample["__local_path__"] = local
+                        ctx.stamp((url, sample[ORDINAL_FIELD], sample[OFFSET_FIELD], 0))
+                        yield sample
+                    stopped = stopped or reader.stopped
             except Exception as exn:
                 if not (exn.args and str(url) in str(exn.args[0])):
                     exn.args = (*exn.args, url)
@@ -317,12 +319,44 @@ class TarfileToSamples(SourceStage):
                     live["done"] = True
                     return
             live["done"] = True
-            if reader.stopped:
+            if stopped:
                 return
         if resume is not None and started < resume["shards_started"]:
             raise StateMismatchError(
                 f"the saved state had started {resume['shards_started']} shards this epoch, but only {started} remain"
             )
+
+    def _readers(self, ctx: Context, url: str, offset: int, ordinal: int) -> Iterator[Any]:
+        """Readers over what is left to read of a shard: all of it, or -- with a ledger's consumed set
+        (elastic resume) -- the runs of samples not yet consumed, found through the shard index so
+        consumed samples are not even read, and fully consumed shards not opened."""
+        consumed = ctx.skip.samples.get(url) if ctx.skip is not None else None
+        if consumed is None:
+            yield self._marking(ctx, url, self._reader(url, offset, ordinal))
+            return
+        from .index import ShardIndex  # the index module reads shards with this one: import late
+
+        try:
+            offsets = ShardIndex.load(url).offsets
+        except IndexFormatError:  # no index: read everything and drop what was consumed
+            yield _Filtered(self._marking(ctx, url, self._reader(url, offset, ordinal)), consumed)
+            return
+        run_start = ordinal
+        total = len(offsets) - 1
+        while run_start < total:
+            while run_start < total and run_start in consumed:
+                run_start += 1
+            run_end = run_start
+            while run_end < total and run_end not in consumed:
+                run_end += 1
+            if run_start < run_end:
+                reader = self._reader(url, offsets[run_start], run_start)
+                yield _Bounded(self._marking(ctx, url, reader), run_end)
+            run_start = run_end
+
+    def _marking(self, ctx: Context, url: str, reader: ShardSampleReader) -> ShardSampleReader:
+        tokens = ctx.skip.tokens.get(url) if ctx.skip is not None else None
+        return _TokenMarked(reader, tokens) if tokens else reader  # type: ignore[return-value]
 
     def rematerialize(self, addresses: list[Address]) -> list[Any]:
         """Re-read samples by (url, ordinal, offset).
@@ -402,6 +436,70 @@ class TarfileToSamples(SourceStage):
             if pending:
                 raise StateMismatchError(f"{url}: saved sample positions {sorted(pending)[:5]} not found")
         return samples
+
+
+TOKEN_START_FIELD = "__token_start__"
+
+
+class _ReaderView:
+    """A reader seen through a filter; keeps the reader's resume position and stop flag visible."""
+
+    def __init__(self, reader: Any):
+        self.reader = reader
+
+    @property
+    def next_offset(self) -> int:
+        return self.reader.next_offset
+
+    @property
+    def next_ordinal(self) -> int:
+        return self.reader.next_ordinal
+
+    @property
+    def stopped(self) -> bool:
+        return self.reader.stopped
+
+
+class _Filtered(_ReaderView):
+    """Drops samples whose ordinal is consumed (shards without an index)."""
+
+    def __init__(self, reader: Any, consumed: Any):
+        super().__init__(reader)
+        self.consumed = consumed
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return (s for s in self.reader if s[ORDINAL_FIELD] not in self.consumed)
+
+
+class _Bounded(_ReaderView):
+    """Stops before ordinal ``end`` (a run of unconsumed samples)."""
+
+    def __init__(self, reader: Any, end: int):
+        super().__init__(reader)
+        self.end = end
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for sample in self.reader:
+            if sample[ORDINAL_FIELD] >= self.end:
+                return
+            yield sample
+            if sample[ORDINAL_FIELD] + 1 >= self.end:
+                return
+
+
+class _TokenMarked(_ReaderView):
+    """Marks documents partly delivered before (a ledger's token counts) so tokenize continues them."""
+
+    def __init__(self, reader: Any, tokens: dict[int, int]):
+        super().__init__(reader)
+        self.tokens = tokens
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for sample in self.reader:
+            start = self.tokens.get(sample[ORDINAL_FIELD])
+            if start:
+                sample[TOKEN_START_FIELD] = start
+            yield sample
 
 
 def _runs(offsets: list[int], gap: int = 1 << 18) -> list[list[int]]:

