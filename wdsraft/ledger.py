@@ -93,6 +93,8 @@ class ConsumedSet:
             kept = [[o, e] for o, e in sorted(partial.items()) if o not in done]
             if kept:
                 tokens[shard] = kept
+        for bitmap in self.samples.values():
+            bitmap.run_optimize()  # consumed ordinals come in long runs: a few bytes per run, not 2 per sample
         return {"samples": {s: b.serialize() for s, b in self.samples.items() if b}, "tokens": tokens}
 
     @classmethod
