@@ -319,6 +319,18 @@ class _SequenceStage(Stage):
     def addresses(self) -> list[Address]:
         return [piece[1] for piece in self._held if piece[1] is not None]
 
+    def state_dict(self) -> dict[str, Any]:
+        return self._save(self._held)
+
+    def run(self, ctx: Context, src: Iterator[Any] | None, state: dict[str, Any] | None) -> Iterator[Any]:
+        assert src is not None
+        self._saved = state  # adopted by _run, which re-reads the held documents on its first step
+        self._held = []
+        return self._run(ctx, src)
+
+    def _run(self, ctx: Context, src: Iterator[Any]) -> Iterator[Any]:
+        raise NotImplementedError
+
     def _sequence(self, pieces: Sequence[Piece]) -> dict[str, Any]:
         return build_sequence(pieces, self.length, self.pad_id)
 
@@ -334,15 +346,6 @@ class ConcatChunk(_SequenceStage):
     sequence. Between outputs the stage holds the unfinished tail of the stream, saved as
     (document address, token range).
     """
-
-    def state_dict(self) -> dict[str, Any]:
-        return self._save(self._held)
-
-    def run(self, ctx: Context, src: Iterator[Any] | None, state: dict[str, Any] | None) -> Iterator[Any]:
-        assert src is not None
-        self._saved = state
-        self._held = []
-        return self._run(ctx, src)
 
     def _run(self, ctx: Context, src: Iterator[Any]) -> Iterator[Any]:
         held = self._held
@@ -394,15 +397,6 @@ class Chunk(_SequenceStage):
 
     def config(self) -> dict[str, Any]:
         return {**super().config(), "drop_remainder": self.drop_remainder}
-
-    def state_dict(self) -> dict[str, Any]:
-        return self._save(self._held)
-
-    def run(self, ctx: Context, src: Iterator[Any] | None, state: dict[str, Any] | None) -> Iterator[Any]:
-        assert src is not None
-        self._saved = state
-        self._held = []
-        return self._run(ctx, src)
 
     def _run(self, ctx: Context, src: Iterator[Any]) -> Iterator[Any]:
         if self._saved is not None:

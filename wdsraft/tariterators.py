@@ -269,7 +269,9 @@ class TarfileToSamples(SourceStage):
         self._live = dict(state) if state is not None else self._fresh()
         return self._samples(ctx, src, state)
 
-    def _reader(self, url: str, offset: int, ordinal: int, block_size: int = 1 << 20) -> ShardSampleReader:
+    def _reader(
+        self, url: str, offset: int, ordinal: int, block_size: int = 1 << 20, stream: IO[bytes] | None = None
+    ) -> ShardSampleReader:
         return ShardSampleReader(
             url,
             offset=offset,
@@ -277,6 +279,7 @@ class TarfileToSamples(SourceStage):
             handler=self.handler,
             select_files=self.select_files,
             rename_files=self.rename_files,
+            stream=stream,
             block_size=block_size,
         )
 
@@ -404,16 +407,7 @@ class TarfileToSamples(SourceStage):
                     raise StateMismatchError(f"{url}: sample {ordinal} is not at byte {offset}: the shard changed")
                 span = os.pread(raw.fileno(), index.offsets[ordinal + 1] - offset, offset)
                 stream = io.BytesIO(span + bytes(2 * BLOCK))  # end-of-archive blocks after the one sample
-                reader = ShardSampleReader(
-                    url,
-                    offset=offset,
-                    ordinal=ordinal,
-                    handler=self.handler,
-                    select_files=self.select_files,
-                    rename_files=self.rename_files,
-                    stream=stream,
-                    block_size=len(span) + 2 * BLOCK,
-                )
+                reader = self._reader(url, offset, ordinal, block_size=len(span) + 2 * BLOCK, stream=stream)
                 sample = next(iter(reader), None)
                 if sample is None:
                     raise StateMismatchError(f"{url}: no sample at byte {offset}")
