@@ -196,6 +196,10 @@ class Manifest:
 
     shards: list[ManifestEntry] = field(default_factory=list)
     name: str = "dataset"
+    # Optional, written only when set (older readers ignore them): per-input record accounting and
+    # the settings of the `wdsraft convert` run that made the dataset.
+    inputs: list[dict[str, Any]] | None = None
+    conversion: dict[str, Any] | None = None
 
     @property
     def num_samples(self) -> int:
@@ -220,6 +224,10 @@ class Manifest:
             "size": self.size,
             "shardlist": [entry.to_dict() for entry in self.shards],
         }
+        if self.inputs is not None:
+            record["inputs"] = self.inputs
+        if self.conversion is not None:
+            record["conversion"] = self.conversion
         return json.dumps(record, indent=1) + "\n"
 
     @classmethod
@@ -236,7 +244,7 @@ class Manifest:
             ManifestEntry(item["url"], item["nsamples"], item["filesize"], item.get("sha256"))
             for item in record["shardlist"]
         ]
-        return cls(shards, record.get("name", "dataset"))
+        return cls(shards, record.get("name", "dataset"), record.get("inputs"), record.get("conversion"))
 
     @classmethod
     def load(cls, url: str) -> Manifest:
