@@ -308,3 +308,61 @@ def test_killed_runs_with_changing_world_sizes_consume_every_sample_once(tmp_pat
                 counted[(shard, int(ordinal))] += 1
     assert len(counted) == SHARDS * PER_SHARD, len(counted)
     assert max(counted.values()) == 1, counted.most_common(3)
+
+
+# -- the ledger command ----------------------------------------------------------------------------
+
+
+def _ledger_cli(*argv: str) -> int:
+    from wdsraft.cli import main
+
+    return main(["ledger", *argv])
+
+
+def test_ledger_show_merge_rewind_export(tmp_path, urls, capsys) -> None:
+    import json
+
+    path = str(tmp_path / "l")
+    first = wds.Ledger(path, run="a", rank=0, world_size=2)
+    first.record({"__url__": [urls[0]] * 4, "__ordinal__": [0, 1, 2, 3]}, epoch=0)
+    watermark = first.commit(step=5)
+    first.record({"__url__": [urls[1]] * 2, "__ordinal__": [5, 6]}, epoch=0)
+    first.commit(step=10)
+    other_rank = wds.Ledger(path, run="a", rank=1, world_size=2)
+    other_rank.record({"__provenance__": [[urls[2], 1, 0, 0, 50, False]]}, epoch=0)
+    other_rank.commit(step=5)
+    stray = wds.Ledger(path, run="b", rank=0, world_size=1)
+    stray.record({"__url__": [urls[3]], "__ordinal__": [9]}, epoch=0)
+    stray.commit()
+
+    assert _ledger_cli("show", path, "--lineage", "a=1", "--shards") == 0
+    shown = capsys.readouterr().out
+    assert "a: 2 ranks (world size 2), 2 commits" in shown and "b: 1 ranks" in shown and "outside the lineage" in shown
+    assert "epoch 0: 4 samples consumed in 1 shards" in shown and "1 documents partly delivered" in shown
+    assert f"{urls[0]}: 4 of 10 (40%)" in shown
+
+    checkpoint = tmp_path / "ckpt.json"
+    checkpoint.write_text(json.dumps({"step": 5, "data": {"ledger": watermark}}))
+    assert _ledger_cli("export", path, "--checkpoint", str(checkpoint)) == 0
+    exported = json.loads(capsys.readouterr().out)
+    assert exported["epochs"]["0"][urls[0]]["ranges"] == [[0, 4]]
+    assert exported["epochs"]["0"][urls[2]]["tokens"] == {"1": 50}
+
+    assert _ledger_cli("merge", path, "--output", str(tmp_path / "merged")) == 0
+    merged_watermark = json.loads(capsys.readouterr().out)
+    merged = wds.Ledger(str(tmp_path / "merged"), run="check").consumed(0, merged_watermark["lineage"])
+    assert consumed_pairs(merged) == {(urls[0], o) for o in range(4)} | {(urls[1], 5), (urls[1], 6), (urls[3], 9)}
+
+    assert _ledger_cli("rewind", path, "--lineage", "a=1", "--prune") == 0
+    out = capsys.readouterr().out
+    assert "dropped 1 commits after 1" in out and "removed" in out
+    reader = wds.Ledger(path, run="check")
+    assert consumed_pairs(reader.consumed(0, {"a": 5, "b": 5})) == {(urls[0], o) for o in range(4)}
+
+
+def test_ledger_show_reports_unreadable_files(tmp_path, capsys) -> None:
+    path = tmp_path / "l" / "run-x"
+    path.mkdir(parents=True)
+    (path / "rank-00000.ledger").write_bytes(b"garbage")
+    assert _ledger_cli("show", str(tmp_path / "l")) == 1
+    assert "rank-00000.ledger" in capsys.readouterr().err

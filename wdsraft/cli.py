@@ -18,6 +18,7 @@ from tqdm import tqdm
 from .errors import IndexFormatError, TarFormatError
 from .gopen import s3_client
 from .index import MANIFEST_NAME, ShardIndex, build_index, manifest_for
+from .ledger_cli import add_ledger_commands
 from .tariterators import ShardSampleReader
 
 logger = logging.getLogger("wdsraft")
@@ -114,6 +115,92 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return 0
 
 
+def _size(text: str) -> int:
+    from .convert import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as exn:
+        raise argparse.ArgumentTypeError(str(exn)) from None
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from .convert import ConvertError, ConvertOptions, convert, slurm_array_task
+
+    task_index, task_count = args.task_index, args.task_count
+    array_task = slurm_array_task()
+    if array_task is not None:
+        task_index = array_task[0] if task_index is None else task_index
+        task_count = array_task[1] if task_count is None else task_count
+    options = ConvertOptions(
+        inputs=args.inputs,
+        output=args.output,
+        workdir=args.workdir,
+        seed=args.seed,
+        memory=args.memory,
+        samples_per_shard=args.samples_per_shard,
+        shard_size=args.shard_size,
+        text_field=args.text_field,
+        id_field=args.id_field,
+        format=args.format,
+        on_bad_record=args.on_bad_record,
+        workers=args.workers,
+        task_index=task_index or 0,
+        task_count=task_count or 1,
+        phase=args.phase,
+        name=args.name,
+        buckets=args.buckets,
+        keep_workdir=args.keep_workdir,
+        overwrite=args.overwrite,
+        wait_timeout=args.wait_timeout,
+        progress=not args.quiet,
+    )
+    try:
+        report = convert(options)
+    except ConvertError as exn:
+        print(f"wdsraft convert: error: {exn}", file=sys.stderr)
+        return 1
+    print(report.summary())
+    return 0
+
+
+CONVERT_DESCRIPTION = """\
+Convert JSONL files into globally shuffled WebDataset shards, with an index beside each shard
+and a manifest.json, in memory bounded by --memory whatever the corpus size.
+
+Each record becomes one sample: the text field as KEY.txt and the other fields as KEY.json
+(or the whole record as KEY.msgpack). KEY is the --id-field value, or INPUTNAME-LINE; keys
+are tar-safe (characters other than letters, digits, '_' and '-' are %-escaped).
+
+How: a two-pass external shuffle. The scatter phase gives each record a random key derived
+from (seed, input name, line) and spreads the records over N bucket files in the work
+directory (N from the input size and --memory); the write phase sorts each bucket by key
+and writes its shards. The same inputs and --seed give byte-identical shards whatever
+--workers or the number of tasks. Rerunning the same command after a crash or preemption
+redoes only the unfinished inputs and buckets.
+
+SLURM job arrays: every task of the array runs the same command; --task-index and
+--task-count default from SLURM_ARRAY_TASK_ID/SLURM_ARRAY_TASK_COUNT. Tasks split the
+inputs, wait for each other at the end of the scatter phase, split the buckets, and the
+last task to finish writes the manifest. --workdir must be on a filesystem all tasks
+share. Where array tasks cannot all run at once, run --phase scatter, --phase write and
+--phase finalize as three dependent jobs instead (see scripts/preshuffle.sbatch).
+"""
+
+CONVERT_EPILOG = """\
+bad records (invalid JSON or UTF-8, not an object, no text field, truncated or corrupt
+compressed input): by default the conversion stops with an error naming the file and the
+line. With --on-bad-record skip they go verbatim, with their reason, to OUTPUT/rejects.jsonl.
+Blank lines are not records: they are skipped and counted. At the end, every input's
+records = samples written + records rejected is checked and recorded in the manifest.
+
+examples:
+  wdsraft convert 'data/part-*.jsonl.zst' --output shards/train --memory 4G --workers 8
+  wdsraft convert 's3://corpus/raw/' --output s3://corpus/shards/train --workdir /scratch/work
+  wdsraft convert data/ --output out --samples-per-shard 5000 --on-bad-record skip
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="wdsraft",
@@ -155,6 +242,86 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--ordinal", type=int, default=0, help="start at this sample (seeks through the index)")
     ls.add_argument("--limit", type=int, default=0, help="stop after this many samples")
     ls.set_defaults(func=cmd_ls)
+
+    from .convert import DEFAULT_SAMPLES_PER_SHARD, FORMATS, PHASES, default_workers
+
+    conv = commands.add_parser(
+        "convert",
+        help="convert JSONL (local or s3, plain/.gz/.zst) into globally shuffled shards",
+        description=CONVERT_DESCRIPTION,
+        epilog=CONVERT_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    conv.add_argument(
+        "inputs",
+        nargs="*",
+        metavar="INPUT",
+        help="JSONL files: paths, globs, brace patterns, directories, s3://bucket/key, s3:// globs or prefixes "
+        "ending in '/' (.jsonl/.ndjson/.json, optionally .gz/.zst/.bz2/.xz); may be omitted for "
+        "--phase write/finalize",
+    )
+    conv.add_argument("-o", "--output", required=True, help="output directory or s3:// prefix")
+    layout = conv.add_argument_group("samples and shards")
+    layout.add_argument("--text-field", default="text", help="the field holding the text (default: text)")
+    layout.add_argument("--id-field", help="take sample keys from this field (default: INPUTNAME-LINE)")
+    layout.add_argument(
+        "--format",
+        choices=FORMATS,
+        default=FORMATS[0],
+        help="txt+json: text as .txt, other fields as .json (default); msgpack: the whole record as .msgpack",
+    )
+    layout.add_argument(
+        "--samples-per-shard",
+        type=int,
+        help=f"at most this many samples per shard (default {DEFAULT_SAMPLES_PER_SHARD:,} unless --shard-size "
+        "is given)",
+    )
+    layout.add_argument(
+        "--shard-size", type=_size, help="about this many bytes per shard, e.g. 512M (shards are balanced)"
+    )
+    layout.add_argument("--name", help="shard names: NAME-000000.tar... (default: the output's base name)")
+    layout.add_argument("--seed", type=int, default=0, help="shuffle seed (default 0)")
+    layout.add_argument(
+        "--on-bad-record",
+        choices=("error", "skip"),
+        default="error",
+        help="error: stop at the first bad record, naming file and line (default); skip: write it to "
+        "OUTPUT/rejects.jsonl and go on",
+    )
+    run = conv.add_argument_group("resources and work")
+    run.add_argument(
+        "--memory",
+        type=_size,
+        default="1G",
+        help="memory budget for the data of this task, all workers together (default 1G; 512M, 4G...); "
+        "each process adds a fixed overhead for Python and its libraries",
+    )
+    run.add_argument(
+        "--workers", type=int, default=default_workers(), help="worker processes (default: the CPUs available)"
+    )
+    run.add_argument(
+        "--workdir",
+        help="work directory for the bucket files and progress, shared by all tasks (default: OUTPUT/.wdsraft-work "
+        "for a local output, ./.wdsraft-work-HASH for s3); removed after the manifest is written",
+    )
+    run.add_argument("--keep-workdir", action="store_true", help="keep the work directory at the end")
+    run.add_argument("--buckets", type=int, help="number of buckets (default: from the input size and --memory)")
+    run.add_argument("--overwrite", action="store_true", help="replace the shards of an earlier dataset in OUTPUT")
+    dist = conv.add_argument_group("SLURM arrays and phases")
+    dist.add_argument("--task-index", type=int, help="this task's index (default: $SLURM_ARRAY_TASK_ID, else 0)")
+    dist.add_argument("--task-count", type=int, help="number of tasks (default: $SLURM_ARRAY_TASK_COUNT, else 1)")
+    dist.add_argument(
+        "--phase",
+        choices=PHASES,
+        default="all",
+        help="all (default): scatter, wait for the other tasks, write, and finalize if last; or one phase",
+    )
+    dist.add_argument(
+        "--wait-timeout", type=float, help="seconds to wait for other tasks' scatter phase (default: no limit)"
+    )
+    conv.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    conv.set_defaults(func=cmd_convert)
+    add_ledger_commands(commands)
     return parser
 
 
@@ -164,7 +331,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except (TarFormatError, IndexFormatError, FileNotFoundError) as exn:
-        logger.error("%s", exn)
+        print(f"wdsraft: error: {exn}", file=sys.stderr)
         return 1
     except BrokenPipeError:  # `wdsraft ls ... | head`
         return 0

@@ -91,6 +91,21 @@ def open_atomic(url: str, fsync: bool = True) -> IO[bytes]:
     return gopen(url, "wb")
 
 
+def remove(url: str) -> None:
+    """Delete a local file or an S3 object."""
+    path = local_path(url)
+    if path is not None:
+        os.remove(path)
+        return
+    if is_s3(url):
+        from .gopen import s3_client
+
+        bucket, _, key = url.removeprefix("s3://").partition("/")
+        s3_client().delete_object(Bucket=bucket, Key=key)
+        return
+    raise ValueError(f"cannot remove {url}")
+
+
 def write_bytes_atomic(url: str, data: bytes) -> None:
     stream = open_atomic(url)
     try:

@@ -1,0 +1,214 @@
+"""``wdsraft ledger show|merge|rewind|export``: inspect and maintain a ledger from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+from collections import defaultdict
+from typing import Any
+
+from .errors import IndexFormatError
+from .index import Manifest, ShardIndex
+from .ledger import ConsumedSet, Ledger, LedgerError, _RankFile
+from .storage import remove
+
+
+def add_ledger_commands(commands: Any) -> None:
+    """Register the ``ledger`` command and its subcommands on an argparse subparsers object."""
+    ledger = commands.add_parser(
+        "ledger",
+        help="inspect and maintain a ledger of consumed samples",
+        description=(
+            "A ledger records, per epoch, the samples a training consumed, across SLURM runs. The commands "
+            "read it under a watermark: the commits a checkpoint builds on (--checkpoint FILE, or --lineage "
+            "RUN=COMMIT,...); without one, every commit counts."
+        ),
+    )
+    actions = ledger.add_subparsers(dest="ledger_command", required=True, metavar="ACTION")
+
+    def common(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("path", help="the ledger directory or s3:// prefix")
+        parser.add_argument("--checkpoint", help="a checkpoint (torch or JSON) holding a ledger watermark")
+        parser.add_argument("--lineage", help="the watermark as RUN=COMMIT[,RUN=COMMIT...]")
+
+    show = actions.add_parser("show", help="consumed counts and fractions per epoch and shard; runs and ranks")
+    common(show)
+    show.add_argument("--manifest", help="the dataset manifest, for fractions and what remains")
+    show.add_argument("--shards", action="store_true", help="one line per shard")
+    show.set_defaults(func=cmd_show)
+
+    merge = actions.add_parser("merge", help="write the merged consumed sets as a new one-file ledger")
+    common(merge)
+    merge.add_argument("--output", required=True, help="directory of the merged ledger (must not exist)")
+    merge.set_defaults(func=cmd_merge)
+
+    rewind = actions.add_parser("rewind", help="drop the commits after a watermark (after a rewind to a checkpoint)")
+    common(rewind)
+    rewind.add_argument("--prune", action="store_true", help="also delete the files of runs outside the lineage")
+    rewind.set_defaults(func=cmd_rewind)
+
+    export = actions.add_parser("export", help="print the consumed positions as JSON (ordinal ranges per shard)")
+    common(export)
+    export.set_defaults(func=cmd_export)
+
+
+def _lineage(args: argparse.Namespace, files: list[_RankFile]) -> dict[str, int]:
+    if args.lineage:
+        pairs = [item.split("=", 1) for item in args.lineage.split(",") if item]
+        return {run: int(commit) for run, commit in pairs}
+    if args.checkpoint:
+        return _watermark_from_checkpoint(args.checkpoint)["lineage"]
+    lineage: dict[str, int] = {}
+    for rank_file in files:
+        for commit in rank_file.commits:
+            lineage[rank_file.run] = max(lineage.get(rank_file.run, 0), commit["commit"])
+    return lineage
+
+
+def _watermark_from_checkpoint(path: str) -> dict[str, Any]:
+    if path.endswith(".json"):
+        with open(path) as stream:
+            record = json.load(stream)
+    else:
+        import torch
+
+        record = torch.load(path, weights_only=True, map_location="cpu")
+    found = _find_watermark(record)
+    if found is None:
+        raise LedgerError(path, "no ledger watermark in this checkpoint")
+    return found
+
+
+def _find_watermark(record: Any) -> dict[str, Any] | None:
+    if isinstance(record, dict):
+        if "lineage" in record and "ledger" in record:
+            return record
+        for value in record.values():
+            found = _find_watermark(value)
+            if found is not None:
+                return found
+    return None
+
+
+def _epochs(files: list[_RankFile], lineage: dict[str, int]) -> dict[int, ConsumedSet]:
+    epochs: dict[int, ConsumedSet] = defaultdict(ConsumedSet)
+    for rank_file in files:
+        last = lineage.get(rank_file.run)
+        if last is None:
+            continue
+        for commit in rank_file.commits:
+            if commit["commit"] <= last:
+                for epoch, record in commit["epochs"].items():
+                    epochs[int(epoch)].update(ConsumedSet.from_plain(record))
+    return dict(sorted(epochs.items()))
+
+
+def _sizes(manifest_url: str | None, shards: list[str]) -> dict[str, int]:
+    if manifest_url:
+        manifest = Manifest.load(manifest_url)
+        return dict(zip(manifest.urls(manifest_url), (e.num_samples for e in manifest.shards), strict=True))
+    sizes = {}
+    for shard in shards:
+        with contextlib.suppress(IndexFormatError, OSError):  # unknown size: no fraction shown
+            sizes[shard] = ShardIndex.load(shard).num_samples
+    return sizes
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    ledger = Ledger(args.path, run="inspect")
+    files = list(ledger.rank_files())
+    if not files:
+        print(f"{args.path}: no ledger files")
+        return 1
+    lineage = _lineage(args, files)
+    print("runs:")
+    runs: dict[str, list[_RankFile]] = defaultdict(list)
+    for rank_file in files:
+        runs[rank_file.run].append(rank_file)
+    for run, rank_files in runs.items():
+        commits = max(len(f.commits) for f in rank_files)
+        steps = [c["step"] for f in rank_files for c in f.commits if c["step"] is not None]
+        status = f"counted up to commit {lineage[run]}" if run in lineage else "outside the lineage (ignored)"
+        last_step = max(steps) if steps else "-"
+        print(
+            f"  {run}: {len(rank_files)} ranks (world size {rank_files[0].world_size}), {commits} commits, "
+            f"last step {last_step}; {status}"
+        )
+    for epoch, consumed in _epochs(files, lineage).items():
+        sizes = _sizes(args.manifest, list(consumed.samples))
+        total = sum(sizes.values()) if args.manifest else None
+        count = consumed.count()
+        partial = sum(len(t) for t in consumed.tokens.values())
+        line = f"epoch {epoch}: {count} samples consumed in {len(consumed.samples)} shards"
+        if total:
+            line += f" of {total} ({count / total:.1%}); {total - count} remain"
+        print(line + (f"; {partial} documents partly delivered" if partial else ""))
+        if args.shards:
+            for shard, bitmap in sorted(consumed.samples.items()):
+                size = sizes.get(shard)
+                fraction = f" of {size} ({len(bitmap) / size:.0%})" if size else ""
+                print(f"  {shard}: {len(bitmap)}{fraction}")
+    return 0
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    ledger = Ledger(args.path, run="inspect")
+    files = list(ledger.rank_files())
+    lineage = _lineage(args, files)
+    if os.path.exists(args.output):
+        raise LedgerError(args.output, "the output ledger exists already")
+    merged = Ledger(args.output, run="merged", rank=0, world_size=1)
+    merged.pending = _epochs(files, lineage)
+    watermark = merged.commit()
+    print(json.dumps(watermark))
+    return 0
+
+
+def cmd_rewind(args: argparse.Namespace) -> int:
+    ledger = Ledger(args.path, run="inspect")
+    files = list(ledger.rank_files())
+    lineage = _lineage(args, files)
+    for rank_file in files:
+        if rank_file.run not in lineage:
+            if args.prune:
+                remove(rank_file.url)
+                print(f"removed {rank_file.url} (run outside the lineage)")
+            else:
+                print(f"kept {rank_file.url} (run outside the lineage; --prune removes it)")
+            continue
+        kept = [c for c in rank_file.commits if c["commit"] <= lineage[rank_file.run]]
+        if len(kept) != len(rank_file.commits):
+            dropped = len(rank_file.commits) - len(kept)
+            rank_file.commits = kept
+            rank_file.save()
+            print(f"{rank_file.url}: dropped {dropped} commits after {lineage[rank_file.run]}")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    ledger = Ledger(args.path, run="inspect")
+    files = list(ledger.rank_files())
+    lineage = _lineage(args, files)
+    out: dict[str, Any] = {"lineage": lineage, "epochs": {}}
+    for epoch, consumed in _epochs(files, lineage).items():
+        shards: dict[str, dict[str, Any]] = {}
+        for shard, bitmap in sorted(consumed.samples.items()):
+            shards[shard] = {"ranges": _ranges(list(bitmap))}
+        for shard, tokens in consumed.tokens.items():
+            shards.setdefault(shard, {"ranges": []})["tokens"] = {str(o): n for o, n in sorted(tokens.items())}
+        out["epochs"][str(epoch)] = shards
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+def _ranges(ordinals: list[int]) -> list[list[int]]:
+    """Sorted ordinals as half-open ``[start, end)`` ranges."""
+    ranges: list[list[int]] = []
+    for ordinal in ordinals:
+        if ranges and ranges[-1][1] == ordinal:
+            ranges[-1][1] += 1
+        else:
+            ranges.append([ordinal, ordinal + 1])
+    return ranges
