@@ -21,7 +21,7 @@ from webdataset.compat import FluidInterface as WebdatasetFluidInterface
 from webdataset.handlers import reraise_exception
 
 from . import filters, llm
-from .pipeline import Address, Context, DataPipeline, SourceStage
+from .pipeline import Address, Context, DataPipeline, SourceStage, Stage
 from .shardlists import ResampledShards, SimpleShardList, single_node_only, split_by_worker
 from .state import describe
 from .tariterators import TarfileToSamples
@@ -251,8 +251,12 @@ class LoaderSource(SourceStage):
         return self._batches(ctx, iterator)
 
     def _batches(self, ctx: Context, iterator: Iterator[Any]) -> Iterator[Any]:
+        # Snapshots of the loader are only needed to re-read batches that stages after this one hold;
+        # without such stages, skip them (each costs a state_dict() of the loader and its dataset).
+        keep = any(isinstance(stage, Stage) for stage in ctx.stages[self.index + 1 :])
         while True:
-            self._snapshots[self._fetched] = self.loader.state_dict()
+            if keep:
+                self._snapshots[self._fetched] = self.loader.state_dict()
             try:
                 batch = next(iterator)
             except StopIteration:

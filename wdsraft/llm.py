@@ -18,6 +18,7 @@ import bisect
 import itertools
 import json
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -70,12 +71,21 @@ class TiktokenTokenizer(TokenizerAdapter):
         self.num_threads = num_threads
         self.eos_id = encoding.eot_token
         self.name = f"tiktoken:{encoding.name}"
+        self._pool: ThreadPoolExecutor | None = None
+
+    def _encode(self, text: str) -> np.ndarray:
+        # Straight into numpy (no Python list of ints per document); tiktoken releases the GIL meanwhile.
+        return self.encoding.encode_to_numpy(text, disallowed_special=())
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        if self.num_threads <= 1:  # straight into numpy: no Python list of ints per document
-            return [self.encoding.encode_to_numpy(text, disallowed_special=()) for text in texts]
-        batches = self.encoding.encode_ordinary_batch(texts, num_threads=self.num_threads)
-        return [np.asarray(ids, dtype=np.uint32) for ids in batches]
+        if self.num_threads <= 1:
+            return [self._encode(text) for text in texts]
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="wdsraft-tiktoken")
+        return list(self._pool.map(self._encode, texts))
+
+    def __getstate__(self) -> dict[str, Any]:  # thread pools do not cross into DataLoader workers
+        return {**self.__dict__, "_pool": None}
 
 
 class HFTokenizer(TokenizerAdapter):
@@ -185,15 +195,27 @@ class Tokenize(Stage):
             documents = ctx.rematerializers[self.index](list(pending))  # type: ignore[arg-type]
             yield from self._hand_out(ctx, self._tokenized(documents), pending)
         tracker = AddressTracker(ctx)
-        batch: list[Any] = []
-        for sample in src:
-            batch.append(sample)
-            pending.append(tracker.address())
-            if len(batch) >= self.batch_size:
-                yield from self._hand_out(ctx, self._tokenized(batch), pending)
-                batch = []
-        if batch:
-            yield from self._hand_out(ctx, self._tokenized(batch), pending)
+        src = iter(src)
+
+        def take() -> list[Any]:
+            batch = []
+            for sample in src:
+                batch.append(sample)
+                pending.append(tracker.address())
+                if len(batch) >= self.batch_size:
+                    break
+            return batch
+
+        # The next batch is tokenized in a background thread (tokenizers release the GIL) while this
+        # one is handed out: reading and packing overlap with tokenizing instead of taking turns.
+        with ThreadPoolExecutor(1, thread_name_prefix="wdsraft-tokenize") as pool:
+            batch = take()
+            future = pool.submit(self._tokenized, batch) if batch else None
+            while future is not None:
+                items = future.result()
+                upcoming = take()
+                future = pool.submit(self._tokenized, upcoming) if upcoming else None
+                yield from self._hand_out(ctx, items, pending)
 
     @staticmethod
     def _hand_out(ctx: Context, items: list[Any], pending: list[Address | None]) -> Iterator[Any]:
