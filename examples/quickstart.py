@@ -2,8 +2,8 @@
 
     python examples/quickstart.py [--corpus FILE.jsonl.zst] [--output DIR]
 
-1. writes the bundled JSONL corpus (a slice of the Linux kernel documentation) into
-   WebDataset shards with ``wdsraft.ShardWriter`` (index and manifest included);
+1. converts the bundled JSONL corpus (a slice of the Linux kernel documentation) into
+   globally shuffled WebDataset shards with ``wdsraft convert`` (index and manifest included);
 2. reads every sample back with wdsraft and with webdataset and checks both give the
    same samples, and that every record arrived intact;
 3. jumps to a sample in the middle of a shard through the index (a byte seek, no
@@ -30,6 +30,7 @@ import zstandard
 
 import wdsraft
 import wdsraft as wds
+from wdsraft.convert import ConvertOptions, convert, parse_size
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_CORPUS = os.path.join(HERE, "data", "kernel-docs-sample.jsonl.zst")
@@ -59,19 +60,27 @@ def main() -> None:
     print(f"corpus: {len(records)} documents from {args.corpus}")
 
     shutil.rmtree(args.output, ignore_errors=True)
-    pattern = os.path.join(args.output, "kernel-docs-%06d.tar")
-    with wdsraft.ShardWriter(pattern, maxcount=args.samples_per_shard, verbose=0) as writer:
-        for number, record in enumerate(records):
-            writer.write({"__key__": f"{number:08d}", "txt": record["text"], "json": {"id": record["id"]}})
+    options = ConvertOptions(
+        inputs=[args.corpus],
+        output=args.output,
+        name="kernel-docs",
+        samples_per_shard=args.samples_per_shard,
+        memory=parse_size("64M"),
+        workers=2,
+    )
+    report = convert(options)
     manifest = wdsraft.Manifest.load(os.path.join(args.output, "manifest.json"))
     urls = manifest.urls(os.path.join(args.output, "manifest.json"))
-    print(f"wrote {manifest.num_samples} samples into {len(urls)} shards ({manifest.size / 1e6:.1f} MB) + manifest")
+    print(
+        f"converted {manifest.num_samples} records into {len(urls)} globally shuffled shards "
+        f"({manifest.size / 1e6:.1f} MB) with index and manifest (finalized: {report.finalized})"
+    )
 
     start = time.perf_counter()
     ours = list(wdsraft.tarfile_samples({"url": url} for url in urls))
     elapsed = time.perf_counter() - start
     theirs = list(webdataset.tarfile_samples({"url": url} for url in urls))
-    same = [(s["__key__"], s["txt"], s["json"]) for s in ours] == [(s["__key__"], s["txt"], s["json"]) for s in theirs]
+    same = [(s["__key__"], s["txt"]) for s in ours] == [(s["__key__"], s["txt"]) for s in theirs]
     intact = content_digest([s["txt"] for s in ours]) == content_digest([r["text"].encode() for r in records])
     print(
         f"read back {len(ours)} samples in {elapsed * 1000:.0f} ms; "
