@@ -366,3 +366,25 @@ def test_ledger_show_reports_unreadable_files(tmp_path, capsys) -> None:
     (path / "rank-00000.ledger").write_bytes(b"garbage")
     assert _ledger_cli("show", str(tmp_path / "l")) == 1
     assert "rank-00000.ledger" in capsys.readouterr().err
+
+
+def test_elastic_resume_with_added_shards(tmp_path, urls, corpus_records) -> None:
+    """Shards added between runs are read whole; the consumed part of the old ones is skipped."""
+    extra = str(tmp_path / "extra-000.tar")
+    with wds.TarWriter(extra) as sink:
+        for number in range(7):
+            sink.write({"__key__": f"x{number:04d}", "txt": corpus_records[number]["text"][:50]})
+    ledger = wds.Ledger(str(tmp_path / "l"), run="one", rank=0, world_size=1)
+    loader = _sample_loader(urls, seed=2, batch=4)
+    counted = []
+    for step, batch in enumerate(ledger.track(loader), 1):
+        counted += list(zip(batch["__url__"], batch["__ordinal__"].tolist(), strict=True))
+        if step == 10:
+            saved = ledger.checkpoint(loader, step)
+            break
+    again = wds.Ledger(str(tmp_path / "l"), run="two", rank=0, world_size=1)
+    grown = _sample_loader([*urls, extra], seed=2, batch=4)
+    assert again.resume(grown, saved) == "elastic"
+    rest = [p for b in again.track(grown) for p in zip(b["__url__"], b["__ordinal__"].tolist(), strict=True)]
+    union = Counter(counted + rest)
+    assert set(union) == everything(urls) | {(extra, o) for o in range(7)} and max(union.values()) == 1
