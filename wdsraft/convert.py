@@ -59,7 +59,7 @@ import numpy as np
 import zstandard
 
 from .errors import IndexFormatError
-from .gopen import gopen, s3_client, s3_endpoint_url, sniff_compression
+from .gopen import gopen, s3_client, s3_endpoint_url, s5cmd_binary, sniff_compression
 from .index import INDEX_SUFFIX, MANIFEST_NAME, Manifest, ManifestEntry, ShardIndex
 from .storage import is_s3, local_path, open_atomic, write_bytes_atomic
 from .tarformat import HeaderBuilder, end_of_archive
@@ -1313,13 +1313,10 @@ class S5cmdShardSink(ShardSink):
 
 def s3_uploader() -> str | None:
     """The s5cmd binary to upload with, or None for smart_open (``WDSRAFT_S3_WRITER=auto|s5cmd|smart_open``)."""
-    choice = os.environ.get("WDSRAFT_S3_WRITER", "auto")
-    if choice == "smart_open":
-        return None
-    found = shutil.which("s5cmd")
-    if choice == "s5cmd" and found is None:
-        raise ConvertError("WDSRAFT_S3_WRITER=s5cmd but no s5cmd binary on PATH")
-    return found
+    try:
+        return s5cmd_binary("WDSRAFT_S3_WRITER")
+    except FileNotFoundError as missing:
+        raise ConvertError(str(missing)) from None
 
 
 def shard_sink(output: str, staging: str) -> ShardSink:

