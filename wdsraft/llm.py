@@ -43,6 +43,7 @@ __all__ = [
 ]
 
 TOKENS = "input_ids"
+SEQUENCE_TENSORS = (TOKENS, "labels", "attention_mask", "position_ids")  # the tensor fields of a sequence
 TOKEN_START = "__token_start__"  # set by the reader for documents a ledger says were delivered in part
 PROVENANCE = "__provenance__"
 IGNORE_INDEX = -100
@@ -257,11 +258,19 @@ class ensure_bos_eos:
     def add(self, ids: np.ndarray) -> np.ndarray:
         # BOS first, then EOS judged on the result: with BOS == EOS an empty document becomes [BOS]
         # (which already ends with EOS), never [BOS, EOS].
-        if self.bos_id is not None and (len(ids) == 0 or ids[0] != self.bos_id):
-            ids = np.concatenate([np.asarray([self.bos_id], dtype=ids.dtype), ids])
-        if self.eos_id is not None and (len(ids) == 0 or ids[-1] != self.eos_id):
-            ids = np.concatenate([ids, np.asarray([self.eos_id], dtype=ids.dtype)])
-        return ids
+        n = len(ids)
+        head = int(self.bos_id is not None and (n == 0 or ids[0] != self.bos_id))
+        last = self.bos_id if head and n == 0 else (ids[-1] if n else None)
+        tail = int(self.eos_id is not None and (last is None or last != self.eos_id))
+        if not head and not tail:
+            return ids
+        out = np.empty(n + head + tail, dtype=ids.dtype)  # one allocation, not two concatenations
+        if head:
+            out[0] = self.bos_id
+        out[head : head + n] = ids
+        if tail:
+            out[-1] = self.eos_id
+        return out
 
     def __call__(self, src: Iterator[Any]) -> Iterator[Any]:
         for item in src:
@@ -279,30 +288,40 @@ def _position(address: Address | None) -> list[Any]:
 
 
 def build_sequence(pieces: Sequence[Piece], length: int, pad_id: int) -> dict[str, Any]:
-    """One training sequence from document pieces, padded to ``length``."""
-    tokens = [piece[0] for piece in pieces]
-    used = sum(len(t) for t in tokens)
-    ids = np.full(length, pad_id, dtype=np.int64)
-    if tokens:
-        ids[:used] = np.concatenate(tokens)
-    lengths = np.asarray([len(t) for t in tokens], dtype=np.int64)
-    starts = np.cumsum(lengths) - lengths
-    positions = np.zeros(length, dtype=np.int64)
-    positions[:used] = np.arange(used, dtype=np.int64) - np.repeat(starts, lengths)
-    mask = np.zeros(length, dtype=np.int64)
-    mask[:used] = 1
-    labels = ids.copy()
+    """One training sequence from document pieces, padded to ``length``.
+
+    The four tensors are rows of one ``[4, length]`` buffer (one allocation; batching copies
+    rows). Position ids restart at each piece: filled piece by piece from one shared arange.
+    """
+    buffer = np.empty((len(SEQUENCE_TENSORS), length), dtype=np.int64)
+    ids, labels, mask, positions = buffer
+    cu_seqlens = [0]
+    used = 0
+    for piece in pieces:
+        size = len(piece[0])
+        ids[used : used + size] = piece[0]
+        positions[used : used + size] = _ARANGE[:size] if size <= len(_ARANGE) else np.arange(size)
+        used += size
+        cu_seqlens.append(used)
+    ids[used:] = pad_id
+    positions[used:] = 0
+    labels[:used] = ids[:used]
     labels[used:] = IGNORE_INDEX
-    cu_seqlens = [0, *np.cumsum(lengths).tolist()]
+    mask[:used] = 1
+    mask[used:] = 0
     provenance = [[*_position(address), start, end, end == total] for _, address, start, end, total in pieces]
+    fields = torch.from_numpy(buffer)
     return {
-        TOKENS: torch.from_numpy(ids),
-        "labels": torch.from_numpy(labels),
-        "attention_mask": torch.from_numpy(mask),
-        "position_ids": torch.from_numpy(positions),
+        TOKENS: fields[0],
+        "labels": fields[1],
+        "attention_mask": fields[2],
+        "position_ids": fields[3],
         "cu_seqlens": cu_seqlens,
         PROVENANCE: provenance,
     }
+
+
+_ARANGE = np.arange(1 << 16, dtype=np.int64)
 
 
 class _SequenceStage(Stage):
@@ -562,9 +581,6 @@ def chunk(length: int, drop_remainder: bool = True, pad_id: int = 0) -> Chunk:
 
 def pack_bestfit(length: int, buffer: int = 1024, pad_id: int = 0) -> PackBestFit:
     return PackBestFit(length, buffer, pad_id)
-
-
-SEQUENCE_TENSORS = (TOKENS, "labels", "attention_mask", "position_ids")
 
 
 def is_sequence(item: Any) -> bool:
