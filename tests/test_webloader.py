@@ -149,3 +149,33 @@ def test_slurm_variables_give_the_rank(urls, monkeypatch) -> None:
     monkeypatch.setenv("SLURM_PROCID", "1")
     monkeypatch.setenv("SLURM_NTASKS", "4")
     assert tuple(wds.distributed.worker_info())[:2] == (1, 4)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_seeds_drawn_by_the_dataset_travel_through_the_loader(urls, workers) -> None:
+    """No seeds anywhere: a state taken before the first batch, or later, restores the same draws."""
+
+    def make():
+        dataset = wds.WebDataset(urls).shuffle(6).to_tuple("__key__").batched(3)
+        return wds.WebLoader(dataset, batch_size=None, num_workers=workers)
+
+    loader = make()
+    before = loader.state_dict()
+    stream = [identity(b) for b in loader]
+    assert resume(make, before) == stream
+    _stream, states = states_along(make, limit=4)
+    assert len(resume(make, states[4])) == len(stream) - 4
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_loader_state_right_after_resume(urls, workers) -> None:
+    def make():
+        return _loader(urls, workers)
+
+    stream, states = states_along(make)
+    loader = make()
+    loader.load_state_dict(states[5])
+    iterator = iter(loader)
+    first = identity(next(iterator))
+    again = loader.state_dict()
+    assert [first, *resume(make, again)] == stream[5:]

@@ -167,15 +167,13 @@ class WebDataset(DataPipeline, FluidInterface):
                     stage["seed"] = "auto"
         return config
 
-    def state_dict(self) -> dict[str, Any]:
-        state = super().state_dict()
-        state["seed"] = self.seed
-        return state
+    def seed_record(self) -> dict[str, Any]:
+        return {**super().seed_record(), "seed": self.seed}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.auto_seed and "seed" in state:
-            self._use_seed(state["seed"])
-        super().load_state_dict(state)
+    def adopt_seeds(self, record: dict[str, Any]) -> None:
+        if self.auto_seed and "seed" in record:
+            self._use_seed(record["seed"])
+        super().adopt_seeds(record)
 
     def _use_seed(self, seed: Any) -> None:
         self.seed = seed
@@ -305,3 +303,15 @@ class WebLoader(DataPipeline, FluidInterface):
     @property
     def loader(self) -> StatefulDataLoader:
         return self.pipeline[0].loader
+
+    def seed_record(self) -> dict[str, Any]:
+        # The dataset's own drawn seeds travel in every state, including one taken before the first
+        # batch, so workers forked from a restored loader draw what the saved run drew.
+        record = getattr(self.loader.dataset, "seed_record", None)
+        return {**super().seed_record(), "dataset": record() if record is not None else None}
+
+    def adopt_seeds(self, record: dict[str, Any]) -> None:
+        super().adopt_seeds(record)
+        adopt = getattr(self.loader.dataset, "adopt_seeds", None)
+        if adopt is not None and record.get("dataset") is not None:
+            adopt(record["dataset"])

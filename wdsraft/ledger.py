@@ -235,6 +235,12 @@ class Ledger:
 
     def track(self, loader: Any) -> Iterator[Any]:
         """Iterate ``loader``, recording each batch as it is handed to the training loop."""
+        inner = getattr(getattr(loader, "loader", None), "dataset", None)
+        if getattr(inner, "repetitions", 1) != 1:
+            # Batches would be recorded under the loader's epoch while the dataset moves through its own.
+            raise LedgerError(
+                "ledger", "the dataset inside the WebLoader repeats (repeat/with_epoch): put them on the WebLoader"
+            )
         for batch in loader:
             self.record(batch, _epoch_of(loader))
             yield batch

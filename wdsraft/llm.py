@@ -167,9 +167,7 @@ class Tokenize(Stage):
         out = []
         for sample, ids in zip(samples, arrays, strict=True):
             item = dict(sample) if isinstance(sample, dict) else {"sample": sample}
-            start = item.get(TOKEN_START, 0)
-            # A document partly delivered before an elastic resume goes on where it stopped.
-            item[TOKENS] = ids[start:] if start else ids
+            item[TOKENS] = ids  # (whole: a ledger's token counts apply after BOS/EOS, in the sequence stages)
             out.append(item)
         return out
 
@@ -281,6 +279,17 @@ class ensure_bos_eos:
 # -- sequences -------------------------------------------------------------------------------------
 
 Piece = tuple  # (tokens: np.ndarray, address, start, end, doc_length)
+
+
+def _remaining(item: dict[str, Any]) -> tuple[np.ndarray, int]:
+    """The tokens of a document still to deliver, and where they start in the whole document.
+
+    A document that a ledger says was delivered in part before an elastic resume goes on
+    where it stopped; token ranges always count in the whole document (BOS/EOS included).
+    """
+    start = item.get(TOKEN_START, 0)
+    tokens = item[TOKENS]
+    return (tokens[start:], start) if start else (tokens, 0)
 
 
 def _position(address: Address | None) -> list[Any]:
@@ -395,7 +404,7 @@ class ConcatChunk(_SequenceStage):
         total = sum(len(piece[0]) for piece in held)
         tracker = AddressTracker(ctx)
         for item in src:
-            tokens, base = item[TOKENS], item.get(TOKEN_START, 0)  # (token ranges count in the whole document)
+            tokens, base = _remaining(item)
             held.append((tokens, tracker.address(), base, base + len(tokens), base + len(tokens)))
             total += len(tokens)
             while total >= self.length:
@@ -445,7 +454,7 @@ class Chunk(_SequenceStage):
             yield from self._cut(ctx)
         tracker = AddressTracker(ctx)
         for item in src:
-            tokens, base = item[TOKENS], item.get(TOKEN_START, 0)
+            tokens, base = _remaining(item)
             self._held.append((tokens, tracker.address(), base, base + len(tokens), base + len(tokens)))
             yield from self._cut(ctx)
 
@@ -478,10 +487,11 @@ class pad:
 
     def __call__(self, src: Iterator[Any]) -> Iterator[Any]:
         for item in src:
-            tokens, base = item[TOKENS], item.get(TOKEN_START, 0)
+            tokens, base = _remaining(item)
             kept = tokens[: self.length]
             address = _item_address(item)
-            piece = (kept, address, base, base + len(kept), base + len(tokens))
+            # The document is consumed with this sequence, truncated tail included: pad drops it by design.
+            piece = (kept, address, base, base + len(kept), base + len(kept))
             yield build_sequence([piece], self.length, self.pad_id)
 
 
@@ -530,7 +540,7 @@ class PackBestFit(_SequenceStage):
         tracker = AddressTracker(ctx)
         n = self.length
         for item in src:
-            tokens, base = item[TOKENS], item.get(TOKEN_START, 0)
+            tokens, base = _remaining(item)
             address = tracker.address()
             end = base + len(tokens)
             full = len(tokens) // n if len(tokens) > n else 0

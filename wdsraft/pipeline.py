@@ -302,20 +302,23 @@ class DataPipeline(IterableDataset, PipelineStage):
             self._check(pending, info)
             first_epoch = pending["epoch"]
             if pending.get("finished"):
-                # Saved at the very end of an iteration: this one yields nothing (a DataLoader worker
-                # restored there must report exhaustion); the next iter() starts the following epoch.
                 self.epoch = first_epoch - 1
-                done = _Iteration(self, info, first_epoch, None)
-                done.finished = True
-                self._live = None
-                self._last_state = done.state_dict()
-                return iter(())
+                if _in_dataloader_worker():
+                    # Saved at the very end of the worker's epoch: it must report exhaustion now, as
+                    # StatefulDataLoader expects; the next iter() starts the following epoch.
+                    done = _Iteration(self, info, first_epoch, None)
+                    done.finished = True
+                    self._live = None
+                    self._last_state = done.state_dict()
+                    return iter(())
+                pending = None  # in the training process, as StatefulDataLoader: the next epoch begins
         else:
             first_epoch = self._next_epoch if self._next_epoch is not None else self.epoch + 1
         self._next_epoch = None
         iteration = _Iteration(self, info, first_epoch, pending)
         self._live = weakref.ref(iteration)
-        self._last_state = None
+        # An iterator dropped before it ran leaves the loaded state in force.
+        self._last_state = copy.deepcopy(pending) if pending is not None else None
         return iter(iteration)
 
     def iterator1(self) -> Iterator[Any]:
@@ -331,7 +334,7 @@ class DataPipeline(IterableDataset, PipelineStage):
             if isinstance(stage, Stage):
                 stages.append({"stage": type(stage).__name__, **stage.config()})
             else:
-                stages.append(describe(getattr(stage, "f", stage)))
+                stages.append(describe(stage))  # a curried webdataset stage: its function and arguments
         return {"stages": stages, "repetitions": self.repetitions, "nsamples": self.nsamples}
 
     def fingerprint(self, info: WorkerInfo | None = None) -> str:
@@ -359,13 +362,21 @@ class DataPipeline(IterableDataset, PipelineStage):
             raise StateMismatchError("not a wdsraft pipeline state")
         if state.get("version") != STATE_VERSION:
             raise StateMismatchError(f"unsupported state version {state.get('version')!r}")
-        for index, seed in (state.get("seeds") or {}).items():
-            stage = self.pipeline[int(index)] if int(index) < len(self.pipeline) else None
-            if isinstance(stage, Stage):
-                stage.adopt_seed(seed)
+        self.adopt_seeds(state)
         self._pending = copy.deepcopy(state)
         self._live = None
         self._last_state = None
+
+    def seed_record(self) -> dict[str, Any]:
+        """The seeds this pipeline drew itself (no seed given): what a copy needs to draw the same."""
+        return {"seeds": self._drawn_seeds()}
+
+    def adopt_seeds(self, record: dict[str, Any]) -> None:
+        """Take over the seeds another copy of this pipeline drew (from its state or seed record)."""
+        for index, seed in (record.get("seeds") or {}).items():
+            stage = self.pipeline[int(index)] if int(index) < len(self.pipeline) else None
+            if isinstance(stage, Stage):
+                stage.adopt_seed(seed)
 
     def _drawn_seeds(self) -> dict[str, Any]:
         return {
@@ -387,7 +398,7 @@ class DataPipeline(IterableDataset, PipelineStage):
             "yielded": 0,
             "pass_count": 0,
             "stages": None,
-            "seeds": self._drawn_seeds(),
+            **self.seed_record(),
         }
 
     def _check(self, state: dict[str, Any], info: WorkerInfo) -> None:
@@ -400,6 +411,12 @@ class DataPipeline(IterableDataset, PipelineStage):
                 "same shards, seeds, stages, rank/world size and worker count; to continue with a changed "
                 "configuration, resume through the ledger instead."
             )
+
+
+def _in_dataloader_worker() -> bool:
+    import torch.utils.data
+
+    return torch.utils.data.get_worker_info() is not None
 
 
 def invoke_stage(f: Any, *args: Any, **kwargs: Any) -> Any:
@@ -570,6 +587,7 @@ class _Iteration:
             "repetition": self.repetition,
             "yielded": self.yielded,
             "pass_count": self.pass_count,
-            "stages": self.current.state() if self.current is not None else None,
-            "seeds": pipeline._drawn_seeds(),
+            # Before the first item of a restored pass, the stages still hold the loaded states.
+            "stages": self.current.state() if self.current is not None else copy.deepcopy(self.stage_states),
+            **pipeline.seed_record(),
         }

@@ -32,6 +32,15 @@ def describe(value: Any) -> Any:
         return {str(key): describe(item) for key, item in sorted(value.items(), key=lambda kv: str(kv[0]))}
     name = getattr(value, "__qualname__", None) or getattr(type(value), "__qualname__", "?")
     module = getattr(value, "__module__", None) or type(value).__module__
+    if hasattr(value, "f") and hasattr(value, "args") and hasattr(value, "kw"):  # webdataset's curried stages
+        return {"f": describe(value.f), "args": describe(value.args), "kw": describe(value.kw)}
+    if not callable(value) or not hasattr(value, "__qualname__"):  # a configured object: its plain settings
+        settings = {
+            key: describe(item)
+            for key, item in sorted(vars(value).items() if hasattr(value, "__dict__") else [])
+            if not key.startswith("_") and isinstance(item, (bool, int, float, str, type(None), list, tuple))
+        }
+        return {"type": f"{module}.{name}", **settings} if settings else f"{module}.{name}"
     return f"{module}.{name}"
 
 

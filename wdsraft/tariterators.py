@@ -251,13 +251,18 @@ class TarfileToSamples(SourceStage):
         self.rename_files = rename_files
         self.local_path = local_path  # add __local_path__ for local shards, as webdataset.WebDataset does
         self._live: dict[str, Any] = self._fresh()
+        self._token_marks: dict[str, dict[int, int]] = {}  # a ledger's partly delivered documents
 
     @staticmethod
     def _fresh() -> dict[str, Any]:
         return {"shards_started": 0, "url": None, "offset": 0, "ordinal": 0, "done": False}
 
     def config(self) -> dict[str, Any]:
-        return {"select_files": describe(self.select_files), "rename_files": describe(self.rename_files)}
+        return {
+            "select_files": describe(self.select_files),
+            "rename_files": describe(self.rename_files),
+            "handler": describe(self.handler),
+        }
 
     def state_dict(self) -> dict[str, Any]:
         return dict(self._live)
@@ -267,6 +272,7 @@ class TarfileToSamples(SourceStage):
             raise ValueError("tarfile_to_samples needs a stream of shard URLs before it")
         # Adopt the state now: a state taken before the generator first runs must be this one.
         self._live = dict(state) if state is not None else self._fresh()
+        self._token_marks = ctx.skip.tokens if ctx.skip is not None else {}
         return self._samples(ctx, src, state)
 
     def _reader(
@@ -380,9 +386,12 @@ class TarfileToSamples(SourceStage):
             samples = self._read_spans(url, local, by_offset, ordinals) if local is not None else None
             if samples is None:
                 samples = self._read_runs(url, by_offset, ordinals)
+            marks = self._token_marks.get(url)
             for offset, sample in samples.items():
                 if self.local_path and local is not None:
                     sample["__local_path__"] = local
+                if marks and sample[ORDINAL_FIELD] in marks:  # as _TokenMarked does when reading
+                    sample[TOKEN_START_FIELD] = marks[sample[ORDINAL_FIELD]]
                 slots = by_offset[offset]
                 for slot in slots:
                     found[slot] = sample if slot == slots[0] else dict(sample)
