@@ -19,7 +19,9 @@ and of its workers is reported.
 from __future__ import annotations
 
 import argparse
+import bisect
 import functools
+import itertools
 import json
 import os
 import resource
@@ -50,19 +52,34 @@ def write_shards(corpus: Path, directory: Path, copies: int) -> tuple[list[str],
 
 
 def raw_tiktoken(encoding, texts: list[str], threads: int) -> tuple[int, float]:
-    """The faster of tiktoken's own batch call and ``encode_to_numpy`` on a thread pool."""
-    best = None
-    for run in ("batch", "numpy"):
-        start = time.perf_counter()
+    """The fastest of three ways to run tiktoken alone: its own batch call, ``encode_to_numpy`` per
+    document on a thread pool, and one run of documents per thread (split by text length)."""
+    encode = functools.partial(encoding.encode_to_numpy, disallowed_special=())
+
+    def batch_call() -> int:
         total = 0
-        if run == "batch":
-            for first in range(0, len(texts), 256):
-                chunk = texts[first : first + 256]
-                total += sum(map(len, encoding.encode_ordinary_batch(chunk, num_threads=threads)))
-        else:
-            with ThreadPoolExecutor(threads) as pool:
-                encode = functools.partial(encoding.encode_to_numpy, disallowed_special=())
-                total = sum(len(ids) for ids in pool.map(encode, texts))
+        for first in range(0, len(texts), 256):
+            chunk = texts[first : first + 256]
+            total += sum(map(len, encoding.encode_ordinary_batch(chunk, num_threads=threads)))
+        return total
+
+    def per_document() -> int:
+        with ThreadPoolExecutor(threads) as pool:
+            return sum(len(ids) for ids in pool.map(encode, texts))
+
+    def runs() -> int:
+        ends = list(itertools.accumulate(map(len, texts)))
+        cuts = [0] + [bisect.bisect_left(ends, ends[-1] * k / threads) for k in range(1, threads)] + [len(texts)]
+        with ThreadPoolExecutor(threads) as pool:
+            parts = pool.map(
+                lambda run: sum(len(encode(t)) for t in run), [texts[a:b] for a, b in itertools.pairwise(cuts)]
+            )
+            return sum(parts)
+
+    best = None
+    for run in (batch_call, per_document, runs):
+        start = time.perf_counter()
+        total = run()
         elapsed = time.perf_counter() - start
         best = (total, elapsed) if best is None or elapsed < best[1] else best
     assert best is not None

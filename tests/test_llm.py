@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import pickle
 import warnings
 from collections import Counter, defaultdict
 
@@ -10,6 +11,8 @@ import numpy as np
 import pytest
 import tiktoken
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_pipeline import resume, roundtrip, states_along
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
@@ -275,3 +278,99 @@ def test_sequence_state_is_positions_not_tokens(urls, cl100k) -> None:
     state = roundtrip(pipeline.state_dict(), "json")
     held = next(s for s in state["stages"].values() if s and "spans" in s)
     assert held["spans"] and all(isinstance(v, int) for span in held["spans"] for v in span)
+
+
+# -- crossing from DataLoader workers --------------------------------------------------------------
+
+
+def _random_batch(draw_sizes: list[list[int]], length: int, pad_id: int, high: int) -> dict:
+    rng = np.random.default_rng(len(draw_sizes) * 1000 + length)
+    sequences = []
+    for row, sizes in enumerate(draw_sizes):
+        pieces, used = [], 0
+        for number, size in enumerate(sizes):
+            size = min(size, length - used)
+            tokens = rng.integers(0, high, size=size, dtype=np.int64).astype(np.uint32)
+            pieces.append((tokens, ("u", row, number, 0), 0, size, size + number % 2))
+            used += size
+        sequences.append(build_sequence(pieces, length, pad_id))
+    return wds.collate_sequences(sequences)
+
+
+def _assert_same_batch(got: dict, expected: dict) -> None:
+    assert list(got) == list(expected)
+    for key, value in expected.items():
+        if isinstance(value, torch.Tensor):
+            assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+        else:
+            assert got[key] == value, key
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    sizes=st.lists(st.lists(st.integers(0, 30), max_size=5), min_size=1, max_size=6),
+    length=st.integers(1, 40),
+    pad_id=st.sampled_from([0, 7, 100257, -1]),
+    high=st.sampled_from([2, 100_000, 2**31 - 1]),
+)
+def test_compact_batch_crosses_to_the_same_batch(sizes, length, pad_id, high) -> None:
+    batch = _random_batch(sizes, length, pad_id, high)
+    compact = wds.llm.compact_sequence_batch(batch)
+    assert compact is not None
+    wire = pickle.dumps(compact)
+    assert len(wire) < batch["input_ids"].numel() * 8 + 4096  # a quarter of the four int64 rows, plus metadata
+    _assert_same_batch(pickle.loads(wire), batch)
+
+
+@pytest.mark.parametrize("change", ["labels", "mask_hole", "positions", "big_ids", "not_a_batch"])
+def test_changed_batches_travel_as_they_are(change) -> None:
+    batch = _random_batch([[5, 3], [10], [2, 2, 2]], 12, 0, 1000)
+    if change == "labels":
+        batch["labels"][0, 1] = -100  # e.g. a user masking the prompt after collation
+    elif change == "mask_hole":
+        batch["attention_mask"][1, 3] = 0
+    elif change == "positions":
+        batch["position_ids"] += 1
+    elif change == "big_ids":
+        batch["input_ids"][0, 0] = 2**40
+        batch["labels"][0, 0] = 2**40
+    else:
+        batch = {"input_ids": batch["input_ids"], "__key__": "x"}
+    assert wds.llm.compact_sequence_batch(batch) is None
+
+
+def test_batches_from_a_worker_equal_the_training_process_batches(urls, cl100k) -> None:
+    def loader(workers: int):
+        dataset = (
+            wds.WebDataset(urls, shardshuffle=False)
+            .tokenize(cl100k, batch_size=5, num_threads=2)
+            .ensure_bos_eos(cl100k)
+            .pack_bestfit(LENGTH, buffer=7)
+            .batched(3)
+        )
+        return wds.WebLoader(dataset, batch_size=None, num_workers=workers)
+
+    in_process = list(loader(0))  # (this also starts the tokenizer's threads in this process, before the fork)
+    from_worker = list(loader(1))
+    assert len(from_worker) == len(in_process) > 5
+    assert all(wds.llm.compact_sequence_batch(batch) is not None for batch in in_process)  # they crossed compact
+    for got, expected in zip(from_worker, in_process, strict=True):
+        _assert_same_batch(got, expected)
+
+
+def test_webloader_converts_arrays_but_leaves_metadata_alone() -> None:
+    batch = {"x": np.arange(3), "__provenance__": [[["u", 1, 2, 0, 3, True]]], "__key__": "k"}
+    converted = wds.compat.convert_batch(batch)
+    assert isinstance(converted["x"], torch.Tensor) and converted["x"].tolist() == [0, 1, 2]
+    assert converted["__provenance__"] is batch["__provenance__"] and converted["__key__"] == "k"
+    assert wds.compat.convert_batch((np.arange(2), "a"))[0].tolist() == [0, 1]  # anything else: DataLoader's own
+
+
+@given(lengths=st.lists(st.integers(0, 50), max_size=40), count=st.integers(1, 5))
+def test_tokenizer_runs_keep_order_and_balance(lengths, count) -> None:
+    texts = ["x" * n for n in lengths]
+    runs = wds.llm._balanced_runs(texts, count)
+    assert [t for run in runs for t in run] == texts
+    assert len(runs) <= count and all(runs)
+    if runs and count > 1:  # no run is longer than its share by more than one document
+        assert max(sum(map(len, run)) for run in runs) <= sum(lengths) / len(runs) + max(lengths) + 1

@@ -179,3 +179,21 @@ def test_loader_state_right_after_resume(urls, workers) -> None:
     first = identity(next(iterator))
     again = loader.state_dict()
     assert [first, *resume(make, again)] == stream[5:]
+
+
+def test_resume_between_worker_snapshots(urls) -> None:
+    """Workers send their state every ``snapshot_every_n_steps`` batches (64 by default): a state
+    taken between two snapshots restores by re-running the batches since the last one."""
+
+    def make(every: int | None = None):
+        dataset = wds.WebDataset(urls, shardshuffle=8, seed=3).shuffle(5, seed=4).to_tuple("__key__").batched(1)
+        kw = {} if every is None else {"snapshot_every_n_steps": every}
+        return wds.WebLoader(dataset, batch_size=None, num_workers=2, **kw)
+
+    assert make().loader.snapshot_every_n_steps == 64 and make(1).loader.snapshot_every_n_steps == 1
+    stream, states = states_along(make)
+    assert len(stream) == 88
+    for k in (0, 1, 31, 63, 64, 65, 66, 87, 88):
+        assert resume(make, states[k], seed=k) == stream[k:], k
+    _stream, states = states_along(lambda: make(5), limit=20)
+    assert resume(lambda: make(5), states[12]) == stream[12:]

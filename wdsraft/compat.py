@@ -8,6 +8,7 @@ seeds and no state loaded, the same samples in the same order. On top: ``state_d
 
 from __future__ import annotations
 
+import inspect
 import os
 import random
 import warnings
@@ -15,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlparse
 
+from torch.utils.data import default_convert, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 from webdataset import shardlists as webdataset_shardlists
 from webdataset.compat import FluidInterface as WebdatasetFluidInterface
@@ -285,6 +287,20 @@ class LoaderSource(SourceStage):
         return [self._replayed[address[0]] for address in addresses]
 
 
+def convert_batch(batch: Any) -> Any:
+    """``DataLoader``'s conversion of a batch the dataset already formed (``batch_size=None``),
+    without walking metadata fields (``__key__``, ``__provenance__``...): they hold no arrays,
+    and walking an LLM batch's provenance lists cost more than building the batch. In a worker,
+    a batch of token sequences is packed for the crossing (``llm.CompactSequenceBatch``)."""
+    if get_worker_info() is not None:
+        compact = llm.compact_sequence_batch(batch)
+        if compact is not None:
+            return compact
+    if type(batch) is dict:
+        return {k: v if isinstance(k, str) and k.startswith("__") else default_convert(v) for k, v in batch.items()}
+    return default_convert(batch)
+
+
 class WebLoader(DataPipeline, FluidInterface):
     """webdataset's ``WebLoader``, on torchdata's ``StatefulDataLoader``.
 
@@ -294,7 +310,18 @@ class WebLoader(DataPipeline, FluidInterface):
     and theirs.
     """
 
+    #: Default of ``StatefulDataLoader``'s ``snapshot_every_n_steps`` (torchdata's is 1): gathering and
+    #: shipping each worker's state with every batch cost several percent of an LLM pipeline's
+    #: throughput on small machines; a restore re-runs at most this many batches.
+    snapshot_every_n_steps = 64
+
     def __init__(self, *args: Any, **kw: Any):
+        given = inspect.signature(StatefulDataLoader).bind(*args, **kw).arguments
+        if "batch_size" in given and given["batch_size"] is None and given.get("collate_fn") is None:
+            kw["collate_fn"] = convert_batch
+        # Workers send their dataset state every this many batches, not with every batch: a state
+        # between two snapshots restores by re-running the batches since the last one.
+        kw.setdefault("snapshot_every_n_steps", self.snapshot_every_n_steps)
         with warnings.catch_warnings():  # torchdata 0.11 calls a deprecated torch API on every construction
             warnings.filterwarnings("ignore", message=".*set_vital.*is deprecated")
             loader = StatefulDataLoader(*args, **kw)

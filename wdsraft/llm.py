@@ -14,9 +14,13 @@ document piece it holds, which is what the ledger records as consumed.
 
 from __future__ import annotations
 
+import array
 import bisect
+import collections
+import functools
 import itertools
 import json
+import os
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -53,7 +57,12 @@ IGNORE_INDEX = -100
 
 
 class TokenizerAdapter:
-    """One interface over tiktoken, ``tokenizers`` and transformers: texts in, token id arrays out."""
+    """One interface over tiktoken, ``tokenizers`` and transformers: texts in, token id arrays out.
+
+    ``submit`` starts encoding a batch on the adapter's own threads and returns a function
+    that waits for the result, so a caller can keep the threads busy with the next batch
+    while it hands out the last one (tokenizers release the GIL while they encode).
+    """
 
     bos_id: int | None = None
     eos_id: int | None = None
@@ -61,50 +70,94 @@ class TokenizerAdapter:
     name = "?"
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        raise NotImplementedError
+        return self.submit(texts)()
+
+    def submit(self, texts: list[str]) -> Callable[[], list[np.ndarray]]:
+        arrays = self.encode_batch(texts)  # (adapters without threads of their own encode right away)
+        return lambda: arrays
 
 
-class TiktokenTokenizer(TokenizerAdapter):
-    """A tiktoken ``Encoding``: special-token text is encoded as ordinary text, as ``encode_ordinary``."""
+class _ThreadedAdapter(TokenizerAdapter):
+    """An adapter with a thread pool, created on first use (pools do not cross into DataLoader workers)."""
+
+    _threads = 1
+
+    def _executor(self) -> ThreadPoolExecutor:
+        pool, owner = self.__dict__.get("_pool"), self.__dict__.get("_pool_pid")
+        if pool is None or owner != os.getpid():  # a forked DataLoader worker has none of its parent's threads
+            pool = self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="wdsraft-tokenize")
+            self._pool_pid = os.getpid()
+        return pool
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {key: value for key, value in self.__dict__.items() if key not in ("_pool", "_pool_pid")}
+
+
+class TiktokenTokenizer(_ThreadedAdapter):
+    """A tiktoken ``Encoding``: special-token text is encoded as ordinary text, as ``encode_ordinary``.
+
+    A batch is cut into one run of documents per thread, balanced by text length, each
+    encoded with ``encode_to_numpy`` (no Python list of ints per document): one task per
+    thread and batch instead of one per document.
+    """
 
     def __init__(self, encoding: Any, num_threads: int = 1):
         self.encoding = encoding
-        self.num_threads = num_threads
+        self.num_threads = self._threads = max(1, num_threads)
         self.eos_id = encoding.eot_token
         self.name = f"tiktoken:{encoding.name}"
-        self._pool: ThreadPoolExecutor | None = None
 
-    def _encode(self, text: str) -> np.ndarray:
-        # Straight into numpy (no Python list of ints per document); tiktoken releases the GIL meanwhile.
-        return self.encoding.encode_to_numpy(text, disallowed_special=())
+    def _encode_run(self, texts: list[str]) -> list[np.ndarray]:
+        encode = self.encoding.encode_to_numpy
+        return [encode(text, disallowed_special=()) for text in texts]
 
-    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        if self.num_threads <= 1:
-            return [self._encode(text) for text in texts]
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="wdsraft-tiktoken")
-        return list(self._pool.map(self._encode, texts))
-
-    def __getstate__(self) -> dict[str, Any]:  # thread pools do not cross into DataLoader workers
-        return {**self.__dict__, "_pool": None}
+    def submit(self, texts: list[str]) -> Callable[[], list[np.ndarray]]:
+        runs = _balanced_runs(texts, self.num_threads)
+        futures = [self._executor().submit(self._encode_run, run) for run in runs]
+        return lambda: [ids for future in futures for ids in future.result()]
 
 
-class HFTokenizer(TokenizerAdapter):
-    """A ``tokenizers.Tokenizer`` or a transformers fast tokenizer (its Rust backend does the work)."""
+def _balanced_runs(texts: list[str], count: int) -> list[list[str]]:
+    """``texts`` cut into at most ``count`` consecutive runs of about equal total length."""
+    if count <= 1 or len(texts) <= 1:
+        return [texts] if texts else []
+    ends = [0, *itertools.accumulate(map(len, texts))]  # ends[i]: length of texts[:i]
+    cuts = []
+    for k in range(1, count):
+        target = ends[-1] * k / count
+        cut = bisect.bisect_left(ends, target)  # the first end at or past the target, or the one before it
+        cuts.append(cut - 1 if cut > 0 and target - ends[cut - 1] < ends[cut] - target else cut)
+    bounds = sorted({0, *cuts, len(texts)})
+    return [texts[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+class HFTokenizer(_ThreadedAdapter):
+    """A ``tokenizers.Tokenizer`` or a transformers fast tokenizer (its Rust backend does the work).
+
+    The backend spreads one batch over its own (Rayon) threads; batches are submitted from two
+    Python threads, so the next batch fills the cores while the last one's stragglers finish.
+    """
+
+    _threads = 2
 
     def __init__(self, tokenizer: Any, num_threads: int | None = None):
         backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
         self.backend = backend
-        self.num_threads = num_threads
+        self.num_threads = num_threads  # (Rayon's thread count is set by RAYON_NUM_THREADS)
         self.bos_id = getattr(tokenizer, "bos_token_id", None)
         self.eos_id = getattr(tokenizer, "eos_token_id", None)
         self.pad_id = getattr(tokenizer, "pad_token_id", None)
         self.name = f"hf:{type(tokenizer).__name__}:{backend.get_vocab_size()}"
-        self._encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
 
-    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        encodings = self._encode(texts, add_special_tokens=False)
-        return [np.asarray(encoding.ids, dtype=np.uint32) for encoding in encodings]
+    def _encode(self, texts: list[str]) -> list[np.ndarray]:
+        encode = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
+        # array.array takes the list of ids at C speed; numpy then wraps its buffer without a copy.
+        return [
+            np.frombuffer(array.array("I", e.ids), dtype=np.uint32) for e in encode(texts, add_special_tokens=False)
+        ]
+
+    def submit(self, texts: list[str]) -> Callable[[], list[np.ndarray]]:
+        return self._executor().submit(self._encode, texts).result
 
 
 def as_tokenizer(tokenizer: Any, num_threads: int | None = None) -> TokenizerAdapter:
@@ -163,7 +216,10 @@ class Tokenize(Stage):
         return {"tokenizer": self.tokenizer.name, "text": str(self.text), "batch_size": self.batch_size}
 
     def _tokenized(self, samples: list[Any]) -> list[Any]:
-        arrays = self.tokenizer.encode_batch([self.get_text(sample) for sample in samples])
+        return self._with_ids(samples, self.tokenizer.encode_batch([self.get_text(sample) for sample in samples]))
+
+    @staticmethod
+    def _with_ids(samples: list[Any], arrays: list[np.ndarray]) -> list[Any]:
         out = []
         for sample, ids in zip(samples, arrays, strict=True):
             item = dict(sample) if isinstance(sample, dict) else {"sample": sample}
@@ -205,16 +261,21 @@ class Tokenize(Stage):
                     break
             return batch
 
-        # The next batch is tokenized in a background thread (tokenizers release the GIL) while this
-        # one is handed out: reading and packing overlap with tokenizing instead of taking turns.
-        with ThreadPoolExecutor(1, thread_name_prefix="wdsraft-tokenize") as pool:
-            batch = take()
-            future = pool.submit(self._tokenized, batch) if batch else None
-            while future is not None:
-                items = future.result()
-                upcoming = take()
-                future = pool.submit(self._tokenized, upcoming) if upcoming else None
-                yield from self._hand_out(ctx, items, pending)
+        # Two batches in flight on the tokenizer's threads: while this stage hands one out (and the
+        # stages after it pack it), the next is being encoded, and the threads never wait for the
+        # stragglers of one batch with nothing else to do.
+        in_flight: collections.deque[tuple[list[Any], Callable[[], list[np.ndarray]]]] = collections.deque()
+        exhausted = False
+        while True:
+            while not exhausted and len(in_flight) < 2:
+                batch = take()
+                if batch:
+                    in_flight.append((batch, self.tokenizer.submit([self.get_text(sample) for sample in batch])))
+                exhausted = len(batch) < self.batch_size
+            if not in_flight:
+                return
+            batch, result = in_flight.popleft()
+            yield from self._hand_out(ctx, self._with_ids(batch, result()), pending)
 
     @staticmethod
     def _hand_out(ctx: Context, items: list[Any], pending: list[Address | None]) -> Iterator[Any]:
@@ -300,37 +361,49 @@ def build_sequence(pieces: Sequence[Piece], length: int, pad_id: int) -> dict[st
     """One training sequence from document pieces, padded to ``length``.
 
     The four tensors are rows of one ``[4, length]`` buffer (one allocation; batching copies
-    rows). Position ids restart at each piece: filled piece by piece from one shared arange.
+    rows), filled with a handful of whole-row numpy calls whatever the number of pieces:
+    this runs thousands of times a second beside the tokenizer, on the same cores.
     """
     buffer = np.empty((len(SEQUENCE_TENSORS), length), dtype=np.int64)
     ids, labels, mask, positions = buffer
-    cu_seqlens = [0]
-    used = 0
-    for piece in pieces:
-        size = len(piece[0])
-        ids[used : used + size] = piece[0]
-        positions[used : used + size] = _ARANGE[:size] if size <= len(_ARANGE) else np.arange(size)
-        used += size
-        cu_seqlens.append(used)
-    ids[used:] = pad_id
-    positions[used:] = 0
+    sizes = [len(piece[0]) for piece in pieces]
+    used = sum(sizes)
+    if len(pieces) == 1:
+        ids[:used] = pieces[0][0]
+        positions[:used] = _arange(length)[:used]
+    elif used:
+        np.concatenate([piece[0] for piece in pieces], out=ids[:used])
+        steps = _arange(length)
+        np.concatenate([steps[:size] for size in sizes], out=positions[:used])  # restart at every piece
     labels[:used] = ids[:used]
-    labels[used:] = IGNORE_INDEX
     mask[:used] = 1
-    mask[used:] = 0
+    buffer[:, used:] = _padding_column(pad_id)
     provenance = [[*_position(address), start, end, end == total] for _, address, start, end, total in pieces]
-    fields = torch.from_numpy(buffer)
+    input_ids, labels_, attention_mask, position_ids = torch.from_numpy(buffer).unbind(0)
     return {
-        TOKENS: fields[0],
-        "labels": fields[1],
-        "attention_mask": fields[2],
-        "position_ids": fields[3],
-        "cu_seqlens": cu_seqlens,
+        TOKENS: input_ids,
+        "labels": labels_,
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+        "cu_seqlens": list(itertools.accumulate(sizes, initial=0)),
         PROVENANCE: provenance,
     }
 
 
-_ARANGE = np.arange(1 << 16, dtype=np.int64)
+@functools.lru_cache(maxsize=8)
+def _arange(length: int) -> np.ndarray:
+    """Position ids 0..length-1, shared by every sequence of that length (read only)."""
+    steps = np.arange(length, dtype=np.int64)
+    steps.flags.writeable = False
+    return steps
+
+
+@functools.lru_cache(maxsize=8)
+def _padding_column(pad_id: int) -> np.ndarray:
+    """What a padding position holds in each of the four rows: pad id, ignored label, mask 0, position 0."""
+    column = np.array([[pad_id], [IGNORE_INDEX], [0], [0]], dtype=np.int64)
+    column.flags.writeable = False
+    return column
 
 
 class _SequenceStage(Stage):
@@ -519,8 +592,10 @@ class PackBestFit(_SequenceStage):
         return {**super().config(), "buffer": self.buffer}
 
     def state_dict(self) -> dict[str, Any]:
-        ready = [self._save(sequence) for sequence in self._ready]
-        return {"ready": ready, "held": self._save(self._held)}
+        # Packed sequences not yet handed out: their pieces in one record, and how many each holds.
+        pieces = [piece for sequence in self._ready for piece in sequence]
+        sizes = [len(sequence) for sequence in self._ready]
+        return {"ready": self._save(pieces), "ready_sizes": sizes, "held": self._save(self._held)}
 
     def addresses(self) -> list[Address]:
         return super().addresses() + [p[1] for sequence in self._ready for p in sequence if p[1] is not None]
@@ -534,7 +609,8 @@ class PackBestFit(_SequenceStage):
 
     def _run(self, ctx: Context, src: Iterator[Any]) -> Iterator[Any]:
         if self._saved is not None:
-            self._ready.extend(self._restore(ctx, saved) for saved in self._saved["ready"])
+            pieces = iter(self._restore(ctx, self._saved["ready"]))
+            self._ready.extend([next(pieces) for _ in range(size)] for size in self._saved["ready_sizes"])
             self._held.extend(self._restore(ctx, self._saved["held"]))
             yield from self._hand_out(ctx)
         tracker = AddressTracker(ctx)
@@ -621,6 +697,80 @@ def collate_sequences(sequences: list[dict[str, Any]]) -> dict[str, Any]:
     batch["cu_seqlens"] = torch.tensor(boundaries, dtype=torch.int32)
     batch["max_seqlen"] = max(lengths, default=0)
     batch[PROVENANCE] = [s[PROVENANCE] for s in sequences]
+    return batch
+
+
+# -- crossing from DataLoader workers --------------------------------------------------------------
+
+
+class CompactSequenceBatch:
+    """A batch of sequences on its way from a DataLoader worker to the training process.
+
+    Of the four ``[batch, length]`` int64 tensors only the token ids travel (as int32): labels,
+    attention mask and position ids follow from them, the batch's ``cu_seqlens`` and each
+    row's real length, and are rebuilt on arrival (unpickling returns the full batch). A
+    batch then crosses as one 64 KiB message instead of a 512 KiB shared-memory segment, whose
+    file descriptor hand-over costs more than a millisecond of CPU per batch between the two
+    processes: as much as tokenizing several documents.
+    """
+
+    def __init__(self, ids: np.ndarray, used: np.ndarray, rest: dict[str, Any]):
+        self.ids = ids
+        self.used = used
+        self.rest = rest
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (expand_sequence_batch, (self.ids, self.used, self.rest))
+
+
+def compact_sequence_batch(batch: Any) -> CompactSequenceBatch | None:
+    """The compact form of a batch made by ``collate_sequences``, or None when ``batch`` is not one
+    (checked in full: a batch changed after collation, labels included, travels as it is)."""
+    if not (type(batch) is dict and all(isinstance(batch.get(key), torch.Tensor) for key in SEQUENCE_TENSORS)):
+        return None
+    cu_seqlens = batch.get("cu_seqlens")
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
+        return None
+    ids = batch[TOKENS]
+    if (
+        ids.dim() != 2
+        or ids.numel() == 0
+        or any(
+            batch[key].shape != ids.shape or batch[key].dtype != torch.int64 or batch[key].device.type != "cpu"
+            for key in SEQUENCE_TENSORS
+        )
+    ):
+        return None
+    low, high = torch.aminmax(ids)
+    if low < np.iinfo(np.int32).min or high > np.iinfo(np.int32).max:
+        return None
+    used = batch["attention_mask"].sum(1).numpy().astype(np.int32)
+    compact = ids.numpy().astype(np.int32)
+    rest = {key: None if key in SEQUENCE_TENSORS else value for key, value in batch.items()}  # (keeps key order)
+    rest["cu_seqlens"] = cu_seqlens.numpy()
+    expected = expand_sequence_batch(compact, used, rest)
+    if not all(torch.equal(expected[key], batch[key]) for key in SEQUENCE_TENSORS[1:]):
+        return None
+    return CompactSequenceBatch(compact, used, rest)
+
+
+def expand_sequence_batch(ids: np.ndarray, used: np.ndarray, rest: dict[str, Any]) -> dict[str, Any]:
+    """The batch a ``CompactSequenceBatch`` stands for: the same tensors ``collate_sequences`` made."""
+    rows, length = ids.shape
+    buffer = np.empty((len(SEQUENCE_TENSORS), rows, length), dtype=np.int64)
+    tokens, labels, mask, positions = buffer
+    tokens[:] = ids
+    real = _arange(length)[None, :] < used[:, None]
+    mask[:] = real
+    labels.fill(IGNORE_INDEX)
+    np.copyto(labels, tokens, where=real)
+    cu_seqlens = np.asarray(rest["cu_seqlens"], dtype=np.int64)
+    flat = positions.reshape(-1)  # position ids restart at every segment boundary; padding holds 0
+    np.subtract(_arange(rows * length), np.repeat(cu_seqlens[:-1], np.diff(cu_seqlens)), out=flat)
+    np.copyto(positions, 0, where=~real)
+    batch = dict(rest)
+    batch.update(zip(SEQUENCE_TENSORS, torch.from_numpy(buffer).unbind(0), strict=True))
+    batch["cu_seqlens"] = torch.from_numpy(rest["cu_seqlens"])
     return batch
 
 

@@ -26,6 +26,7 @@ from the start of the epoch and the source skips the shards it had already begun
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import sys
 import warnings
@@ -392,7 +393,7 @@ class DataPipeline(IterableDataset, PipelineStage):
             "format": STATE_FORMAT,
             "version": STATE_VERSION,
             "fingerprint": self.fingerprint(info),
-            "config": describe({**self.config(), "worker": list(info)}),
+            "config": config_text({**self.config(), "worker": list(info)}),
             "epoch": epoch,
             "repetition": 0,
             "yielded": 0,
@@ -404,13 +405,21 @@ class DataPipeline(IterableDataset, PipelineStage):
     def _check(self, state: dict[str, Any], info: WorkerInfo) -> None:
         expected = self.fingerprint(info)
         if state.get("fingerprint") != expected:
-            changed = differences(state.get("config", {}), describe({**self.config(), "worker": list(info)}))
+            saved = state.get("config", {})
+            saved = json.loads(saved) if isinstance(saved, str) else saved  # (a dict in states of earlier versions)
+            changed = differences(saved, describe({**self.config(), "worker": list(info)}))
             detail = "; ".join(changed[:6]) or "configuration differs"
             raise StateMismatchError(
                 f"this state was saved by a different pipeline configuration ({detail}). Exact resume needs the "
                 "same shards, seeds, stages, rank/world size and worker count; to continue with a changed "
                 "configuration, resume through the ledger instead."
             )
+
+
+def config_text(config: dict[str, Any]) -> str:
+    """The configuration a state was saved with, for the message when it does not match: one JSON
+    string, so that taking a state (every few steps, in every worker) does not copy a tree."""
+    return json.dumps(describe(config), sort_keys=True, separators=(",", ":"))
 
 
 def _in_dataloader_worker() -> bool:
@@ -529,7 +538,7 @@ class _Iteration:
         self.finished = False
         self.current: _Pass | None = None
         # The configuration cannot change during an iteration: describe it once, not at every state_dict().
-        self.config = describe({**pipeline.config(), "worker": list(info)})
+        self.config = config_text({**pipeline.config(), "worker": list(info)})
         self.fingerprint = pipeline.fingerprint(info)
 
     @property
@@ -582,7 +591,7 @@ class _Iteration:
             "format": STATE_FORMAT,
             "version": STATE_VERSION,
             "fingerprint": self.fingerprint,
-            "config": copy.deepcopy(self.config),
+            "config": self.config,
             "epoch": self.first_epoch,
             "repetition": self.repetition,
             "yielded": self.yielded,
