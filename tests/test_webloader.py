@@ -197,3 +197,34 @@ def test_resume_between_worker_snapshots(urls) -> None:
         assert resume(make, states[k], seed=k) == stream[k:], k
     _stream, states = states_along(lambda: make(5), limit=20)
     assert resume(lambda: make(5), states[12]) == stream[12:]
+
+
+@pytest.mark.parametrize("main_stages", [False, True])
+def test_persistent_workers_resume_into_the_following_epochs(urls, main_stages) -> None:
+    """States taken mid-epoch and between epochs resume the uninterrupted run's later epochs too,
+    with workers that live across epochs; also when loaded into the loader that saved them."""
+
+    def make():
+        dataset = wds.WebDataset(urls, shardshuffle=8, seed=3).shuffle(5, seed=4).to_tuple("__key__").batched(3)
+        loader = wds.WebLoader(dataset, batch_size=None, num_workers=2, persistent_workers=True)
+        return loader.unbatched().shuffle(7, seed=5).batched(4) if main_stages else loader
+
+    loader = make()
+    epochs, between, middle = [], [], None
+    for epoch in range(3):
+        keys = []
+        for batch in loader:
+            keys.append(identity(batch))
+            if epoch == 1 and len(keys) == 5:
+                middle = loader.state_dict()
+        epochs.append(keys)
+        between.append(loader.state_dict())
+    assert epochs[0] != epochs[1] != epochs[2]
+    fresh = make()
+    fresh.load_state_dict(roundtrip(between[0], "torch"))
+    assert [[identity(b) for b in fresh] for _ in range(2)] == epochs[1:]
+    fresh = make()
+    fresh.load_state_dict(roundtrip(middle, "msgpack"))
+    assert [[identity(b) for b in fresh] for _ in range(2)] == [epochs[1][5:], epochs[2]]
+    loader.load_state_dict(between[0])  # the same loader, its workers still alive
+    assert [[identity(b) for b in loader] for _ in range(2)] == epochs[1:]

@@ -236,10 +236,13 @@ class LoaderSource(SourceStage):
             self.loader.load_state_dict(state["loader"])
             self._fetched = state["base"]
         else:
-            # Workers get a copy of the dataset for each epoch (unless persistent): hand them this epoch,
-            # or every epoch would shuffle like the first (webdataset's non-persistent worker problem).
+            # Workers get a copy of the dataset for each epoch: hand them this epoch, or every epoch would
+            # shuffle like the first (webdataset's non-persistent worker problem). Persistent workers get
+            # their copy once, at the first epoch this loader runs (which after a restore between two
+            # epochs is not epoch 0), and count the later epochs themselves.
             set_epoch = getattr(self.loader.dataset, "set_epoch", None)
-            if set_epoch is not None and not self.loader.persistent_workers:
+            workers_alive = self.loader.persistent_workers and self.loader._iterator is not None
+            if set_epoch is not None and not workers_alive:
                 set_epoch(ctx.epoch)
         iterator = iter(self.loader)
         # Re-fetch now the batches whose items the restored stages downstream hold: they ask for them
@@ -330,6 +333,12 @@ class WebLoader(DataPipeline, FluidInterface):
     @property
     def loader(self) -> StatefulDataLoader:
         return self.pipeline[0].loader
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        # Persistent workers still running an older epoch are dropped: the next iter() starts new ones
+        # from the loaded state (StatefulDataLoader does the same when it loads a state itself).
+        self.loader.load_state_dict({})
 
     def seed_record(self) -> dict[str, Any]:
         # The dataset's own drawn seeds travel in every state, including one taken before the first
