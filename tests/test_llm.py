@@ -374,3 +374,19 @@ def test_tokenizer_runs_keep_order_and_balance(lengths, count) -> None:
     assert len(runs) <= count and all(runs)
     if runs and count > 1:  # no run is longer than its share by more than one document
         assert max(sum(map(len, run)) for run in runs) <= sum(lengths) / len(runs) + max(lengths) + 1
+
+
+def test_own_tokenizer_adapter(urls) -> None:
+    class Lengths(wds.llm.TokenizerAdapter):  # a custom adapter implements encode_batch (or submit)
+        name = "lengths"
+        eos_id = 0
+
+        def encode_batch(self, texts):
+            return [np.array([len(t)], dtype=np.uint32) for t in texts]
+
+    items = list(documents(urls, Lengths(), batch_size=4))
+    assert [int(i["input_ids"][0]) for i in items] == [
+        len(s["txt"].decode()) for s in wds.WebDataset(urls, shardshuffle=False)
+    ]
+    with pytest.raises(NotImplementedError, match="neither"):
+        wds.llm.TokenizerAdapter().encode_batch(["x"])

@@ -70,6 +70,8 @@ class TokenizerAdapter:
     name = "?"
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        if type(self).submit is TokenizerAdapter.submit:
+            raise NotImplementedError(f"{type(self).__name__} implements neither encode_batch nor submit")
         return self.submit(texts)()
 
     def submit(self, texts: list[str]) -> Callable[[], list[np.ndarray]]:
