@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import pickle
 import warnings
 from collections import Counter, defaultdict
@@ -390,3 +391,12 @@ def test_own_tokenizer_adapter(urls) -> None:
     ]
     with pytest.raises(NotImplementedError, match="neither"):
         wds.llm.TokenizerAdapter().encode_batch(["x"])
+
+
+def test_fast_tokenizer_thread_count(hf_fast, monkeypatch, caplog) -> None:
+    monkeypatch.delenv("RAYON_NUM_THREADS", raising=False)
+    wds.as_tokenizer(hf_fast, num_threads=3)
+    assert os.environ["RAYON_NUM_THREADS"] == "3"
+    with caplog.at_level("WARNING", logger="wdsraft.llm"):
+        wds.as_tokenizer(hf_fast, num_threads=2)  # Rayon reads it once: the first value stays, with a warning
+    assert os.environ["RAYON_NUM_THREADS"] == "3" and "num_threads=2 ignored" in caplog.text

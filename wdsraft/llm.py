@@ -20,6 +20,7 @@ import collections
 import functools
 import itertools
 import json
+import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -51,6 +52,8 @@ SEQUENCE_TENSORS = (TOKENS, "labels", "attention_mask", "position_ids")  # the t
 TOKEN_START = "__token_start__"  # set by the reader for documents a ledger says were delivered in part
 PROVENANCE = "__provenance__"
 IGNORE_INDEX = -100
+
+logger = logging.getLogger(__name__)
 
 
 # -- tokenizers ------------------------------------------------------------------------------------
@@ -145,7 +148,9 @@ class HFTokenizer(_ThreadedAdapter):
     def __init__(self, tokenizer: Any, num_threads: int | None = None):
         backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
         self.backend = backend
-        self.num_threads = num_threads  # (Rayon's thread count is set by RAYON_NUM_THREADS)
+        self.num_threads = num_threads
+        if num_threads is not None:
+            _ask_rayon_threads(num_threads)
         self.bos_id = getattr(tokenizer, "bos_token_id", None)
         self.eos_id = getattr(tokenizer, "eos_token_id", None)
         self.pad_id = getattr(tokenizer, "pad_token_id", None)
@@ -160,6 +165,17 @@ class HFTokenizer(_ThreadedAdapter):
 
     def submit(self, texts: list[str]) -> Callable[[], list[np.ndarray]]:
         return self._executor().submit(self._encode, texts).result
+
+
+def _ask_rayon_threads(count: int) -> None:
+    """The fast tokenizer's thread count: Rust's Rayon reads ``RAYON_NUM_THREADS`` once, when its pool
+    starts (the first parallel encode in the process), and there is no other way to set it."""
+    current = os.environ.get("RAYON_NUM_THREADS")
+    if current is None:
+        os.environ["RAYON_NUM_THREADS"] = str(count)
+        logger.info("tokenize: RAYON_NUM_THREADS=%d (effective unless the tokenizer already ran here)", count)
+    elif current != str(count):
+        logger.warning("tokenize: num_threads=%d ignored, RAYON_NUM_THREADS is already %s", count, current)
 
 
 def as_tokenizer(tokenizer: Any, num_threads: int | None = None) -> TokenizerAdapter:
