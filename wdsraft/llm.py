@@ -408,12 +408,18 @@ def build_sequence(pieces: Sequence[Piece], length: int, pad_id: int) -> dict[st
     }
 
 
-@functools.lru_cache(maxsize=8)
-def _arange(length: int) -> np.ndarray:
-    """Position ids 0..length-1, shared by every sequence of that length (read only)."""
-    steps = np.arange(length, dtype=np.int64)
-    steps.flags.writeable = False
-    return steps
+_STEPS = np.arange(0, dtype=np.int64)
+
+
+def _arange(size: int) -> np.ndarray:
+    """0..size-1 (position ids), a read-only view of one shared array that grows as needed."""
+    global _STEPS
+    steps = _STEPS
+    if len(steps) < size:
+        steps = np.arange(max(size, 2 * len(steps)), dtype=np.int64)
+        steps.flags.writeable = False
+        _STEPS = steps  # (another thread growing it meanwhile is harmless: views of the old one stay valid)
+    return steps[:size]
 
 
 @functools.lru_cache(maxsize=8)
