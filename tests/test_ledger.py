@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 import threading
-import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -16,6 +15,8 @@ import tiktoken
 
 import wdsraft as wds
 from wdsraft.ledger import ConsumedSet, LedgerError, positions_of
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # webdataset's advice warnings
 
 REPO = Path(__file__).resolve().parent.parent
 SHARDS, PER_SHARD = 12, 10
@@ -28,13 +29,6 @@ def urls(tmp_path_factory, corpus_records) -> list[str]:
         for number, record in enumerate(corpus_records[: SHARDS * PER_SHARD]):
             sink.write({"__key__": f"{number:05d}", "txt": record["text"][: 30 + (number * 53) % 900]})
     return sorted(str(p) for p in directory.glob("d-*.tar"))
-
-
-@pytest.fixture(autouse=True)
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        yield
 
 
 def everything(urls) -> set[tuple[str, int]]:

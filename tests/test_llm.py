@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import os
 import pickle
-import warnings
 from collections import Counter, defaultdict
 
 import numpy as np
@@ -19,6 +18,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 import wdsraft as wds
 from wdsraft.llm import build_sequence
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # webdataset's advice warnings
 
 LENGTH = 64
 
@@ -69,13 +70,6 @@ def urls(tmp_path_factory, corpus_records) -> list[str]:
             text = record["text"][: 40 + (number * 37) % 700]  # lengths from a few tokens to several sequences
             sink.write({"__key__": f"{number:05d}", "txt": text, "json": {"id": record["id"], "text": text}})
     return sorted(str(p) for p in directory.glob("t-*.tar"))
-
-
-@pytest.fixture(autouse=True)
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        yield
 
 
 def documents(urls, tokenizer, **kw):

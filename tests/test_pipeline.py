@@ -11,7 +11,6 @@ import io
 import itertools
 import json
 import random
-import warnings
 from typing import Any
 
 import msgpack
@@ -24,6 +23,8 @@ from hypothesis import strategies as st
 
 import wdsraft as wds
 
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # webdataset's advice warnings
+
 SHARDS = 6
 PER_SHARD = 13  # odd sizes: batches and buffers straddle shard boundaries
 
@@ -35,13 +36,6 @@ def urls(tmp_path_factory, corpus_records) -> list[str]:
         for number, record in enumerate(corpus_records[: SHARDS * PER_SHARD]):
             sink.write({"__key__": f"{number:05d}", "txt": record["text"][:200], "json": {"id": record["id"]}})
     return sorted(str(p) for p in directory.glob("p-*.tar"))
-
-
-@pytest.fixture(autouse=True)
-def _quiet_webdataset_warnings():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        yield
 
 
 def identity(item: Any) -> Any:

@@ -3,8 +3,6 @@ and webdataset's own README examples running unchanged with ``import wdsraft as 
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -12,6 +10,8 @@ from hypothesis import strategies as st
 from test_pipeline import identity, resume, roundtrip, states_along
 
 import wdsraft as wds
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # webdataset's advice warnings
 
 
 @pytest.fixture(scope="module")
@@ -21,13 +21,6 @@ def urls(tmp_path_factory, corpus_records) -> list[str]:
         for number, record in enumerate(corpus_records[:88]):
             sink.write({"__key__": f"{number:05d}", "txt": record["text"][:100], "cls": number % 7})
     return sorted(str(p) for p in directory.glob("l-*.tar"))
-
-
-@pytest.fixture(autouse=True)
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        yield
 
 
 def _loader(urls, workers: int, main_shuffle: int = 9, persistent: bool = False):
