@@ -54,6 +54,12 @@ def add_ledger_commands(commands: Any) -> None:
     export.set_defaults(func=cmd_export)
 
 
+def _rank_files(args: argparse.Namespace) -> tuple[list[_RankFile], dict[str, int]]:
+    """The ledger's rank files and the lineage the command works on (given, from a checkpoint, or the latest)."""
+    files = list(Ledger(args.path, run="inspect").rank_files())
+    return files, _lineage(args, files)
+
+
 def _lineage(args: argparse.Namespace, files: list[_RankFile]) -> dict[str, int]:
     if args.lineage:
         pairs = [item.split("=", 1) for item in args.lineage.split(",") if item]
@@ -117,12 +123,10 @@ def _sizes(manifest_url: str | None, shards: list[str]) -> dict[str, int]:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    ledger = Ledger(args.path, run="inspect")
-    files = list(ledger.rank_files())
+    files, lineage = _rank_files(args)
     if not files:
         print(f"{args.path}: no ledger files")
         return 1
-    lineage = _lineage(args, files)
     print("runs:")
     runs: dict[str, list[_RankFile]] = defaultdict(list)
     for rank_file in files:
@@ -154,9 +158,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
-    ledger = Ledger(args.path, run="inspect")
-    files = list(ledger.rank_files())
-    lineage = _lineage(args, files)
+    files, lineage = _rank_files(args)
     if os.path.exists(args.output):
         raise LedgerError(args.output, "the output ledger exists already")
     merged = Ledger(args.output, run="merged", rank=0, world_size=1)
@@ -167,9 +169,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
 
 def cmd_rewind(args: argparse.Namespace) -> int:
-    ledger = Ledger(args.path, run="inspect")
-    files = list(ledger.rank_files())
-    lineage = _lineage(args, files)
+    files, lineage = _rank_files(args)
     for rank_file in files:
         if rank_file.run not in lineage:
             if args.prune:
@@ -188,9 +188,7 @@ def cmd_rewind(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    ledger = Ledger(args.path, run="inspect")
-    files = list(ledger.rank_files())
-    lineage = _lineage(args, files)
+    files, lineage = _rank_files(args)
     out: dict[str, Any] = {"lineage": lineage, "epochs": {}}
     for epoch, consumed in _epochs(files, lineage).items():
         shards: dict[str, dict[str, Any]] = {}
