@@ -221,3 +221,31 @@ def test_persistent_workers_resume_into_the_following_epochs(urls, main_stages) 
     assert [[identity(b) for b in fresh] for _ in range(2)] == [epochs[1][5:], epochs[2]]
     loader.load_state_dict(between[0])  # the same loader, its workers still alive
     assert [[identity(b) for b in loader] for _ in range(2)] == epochs[1:]
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_state_after_an_epochs_last_batch_resumes_the_next_epoch(urls, persistent) -> None:
+    """The usual loop saves inside the loop: after the last batch of an epoch, before the loader ends.
+    Also a training-process ``with_epoch`` whose epochs span loader epochs, killed at every batch."""
+
+    def make(epoch: int | None = None):
+        dataset = wds.WebDataset(urls, shardshuffle=8, seed=3).shuffle(5, seed=4).to_tuple("__key__").batched(3)
+        loader = wds.WebLoader(dataset, batch_size=None, num_workers=2, persistent_workers=persistent)
+        staged = loader.unbatched().shuffle(7, seed=5).batched(4)
+        return staged.with_epoch(epoch) if epoch else staged
+
+    loader = make()
+    epochs, last = [], None
+    for _ in range(2):
+        epochs.append([])
+        for batch in loader:
+            epochs[-1].append(identity(batch))
+            if len(epochs) == 1:
+                last = loader.state_dict()
+    fresh = make()
+    fresh.load_state_dict(roundtrip(last, "torch"))
+    assert [identity(b) for b in fresh] == [] and [identity(b) for b in fresh] == epochs[1]
+    per_epoch = len(epochs[0])
+    stream, states = states_along(lambda: make(per_epoch + per_epoch // 2))
+    for k in (0, per_epoch - 1, per_epoch, per_epoch + 1, len(stream) - 1):
+        assert resume(lambda: make(per_epoch + per_epoch // 2), states[k], seed=k) == stream[k:], k

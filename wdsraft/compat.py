@@ -232,6 +232,11 @@ class LoaderSource(SourceStage):
         self._snapshots = {}
         self._replayed = {}
         self._fetched = 0
+        if state is not None and state["replay"] == 0 and state["loader"].get("_iterator_finished"):
+            # Saved after the loader's last batch of the epoch, with nothing to re-fetch: this pass gets
+            # nothing more from it. Loading that state would start persistent workers on their next
+            # epoch now, and the next pass would start them once more (one epoch skipped).
+            return iter(())
         if state is not None:
             self.loader.load_state_dict(state["loader"])
             self._fetched = state["base"]
