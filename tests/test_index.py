@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -240,3 +241,50 @@ def test_aborted_s3_write_leaves_no_object(s3_bucket) -> None:
         raise RuntimeError("crash")
     listing = boto3.client("s3").list_objects_v2(Bucket=s3_bucket)
     assert listing.get("KeyCount", 0) == 0
+
+
+def test_index_of_a_foreign_shard_skips_metadata_members_as_readers_do(tmp_path: Path) -> None:
+    url = tmp_path / "meta.tar"
+    with tarfile.open(url, "w", format=tarfile.GNU_FORMAT) as tar:
+        for name in ("__meta__/info.txt", "a.txt", "b.txt"):
+            info = tarfile.TarInfo(name)
+            info.size = 1
+            tar.addfile(info, io.BytesIO(b"x"))
+    samples = list(wdsraft.ShardSampleReader(str(url)))
+    index = wdsraft.build_index(str(url))
+    assert index.num_samples == len(samples) == 2
+    assert [index.offset_of(n) for n in range(2)] == [s["__offset__"] for s in samples]
+    assert wdsraft.build_index(str(url), checksum=False).sha256 is None
+
+
+def test_shard_names_with_url_characters_restore(tmp_path: Path) -> None:
+    """A local shard named like a URL fragment (``run#2.tar``) is re-read by its path on restore."""
+    url = str(tmp_path / "run#2.tar")
+    with wdsraft.ShardWriter(url.replace("#2", "#%d"), maxcount=100, start_shard=2, verbose=0) as sink:
+        for n in range(6):
+            sink.write({"__key__": f"{n:03d}", "txt": str(n)})
+    assert Path(url).exists()
+
+    def make():
+        return wdsraft.WebDataset([url], shardshuffle=False).shuffle(10, seed=1).to_tuple("__key__")
+
+    pipeline = make()
+    iterator = iter(pipeline)
+    head = [next(iterator) for _ in range(2)]
+    state = pipeline.state_dict()
+    rest = list(iterator)
+    fresh = make()
+    fresh.load_state_dict(state)
+    assert list(fresh) == rest and len(head + rest) == 6
+
+
+def test_gopen_rewrite_is_applied_once(tmp_path: Path, monkeypatch) -> None:
+    real = tmp_path / "v2"
+    real.mkdir()
+    with wdsraft.ShardWriter(str(real / "s-%02d.tar"), maxcount=10, verbose=0) as sink:
+        for n in range(3):
+            sink.write({"__key__": f"{n}", "txt": str(n)})
+    monkeypatch.setenv("GOPEN_REWRITE", f"{tmp_path}/={tmp_path}/v2/")  # (a target under the prefix)
+    url = f"{tmp_path}/s-00.tar"
+    assert wdsraft.ShardIndex.load(url).num_samples == 3
+    assert [s["__key__"] for s in wdsraft.ShardSampleReader(url)] == ["0", "1", "2"]

@@ -83,10 +83,10 @@ def gopen(url: str, mode: str = "rb", bufsize: int = 8192, **kw: Any) -> IO[byte
     """Open a URL like webdataset's ``gopen``, with ``s3://`` handled by smart_open/boto3."""
     if mode not in ("rb", "wb"):
         raise ValueError(f"gopen: unsupported mode {mode!r} for {url}")
-    url = rewrite_url(url)
-    if urlparse(url).scheme == "s3":
-        return _smart_open(url, mode)
-    return cast(IO[bytes], webdataset_gopen(url, mode, bufsize, **kw))
+    target = rewrite_url(url)
+    if urlparse(target).scheme == "s3":
+        return _smart_open(target, mode)
+    return cast(IO[bytes], webdataset_gopen(url, mode, bufsize, **kw))  # (which applies GOPEN_REWRITE itself)
 
 
 def decompress_stream(kind: str, raw: IO[bytes]) -> IO[bytes]:
@@ -133,7 +133,7 @@ class PrefixedStream:
 def _open_raw(url: str, offset: int) -> IO[bytes]:
     """Open the stored bytes of a shard from the start; ``offset`` says where the caller will go next
     (a whole-shard read may stream through s5cmd; a later seek needs a seekable reader)."""
-    url = rewrite_url(url)
+    original, url = url, rewrite_url(url)
     parsed = urlparse(url)
     if parsed.scheme in ("", "file"):
         path = url if parsed.scheme == "" else url2pathname(parsed.path)
@@ -145,7 +145,7 @@ def _open_raw(url: str, offset: int) -> IO[bytes]:
         return _smart_open(url, "rb")
     if parsed.scheme in ("http", "https"):
         return _smart_open(url, "rb")
-    return cast(IO[bytes], webdataset_gopen(url, "rb"))
+    return cast(IO[bytes], webdataset_gopen(original, "rb"))  # (which applies GOPEN_REWRITE itself)
 
 
 def sniff_compression(head: bytes) -> str | None:

@@ -128,16 +128,17 @@ class ShardIndex:
 
 
 class _HashingReader:
-    """Passes reads through while hashing every byte (sha256 of the stored shard in the same pass)."""
+    """Passes reads through, counting and (unless told not to) hashing every byte (sha256 of the stored shard)."""
 
-    def __init__(self, stream: IO[bytes]):
+    def __init__(self, stream: IO[bytes], hashing: bool = True):
         self._stream = stream
-        self.digest = hashlib.sha256()
+        self.digest = hashlib.sha256() if hashing else None
         self.count = 0
 
     def read(self, n: int = -1) -> bytes:
         data = self._stream.read(n)
-        self.digest.update(data)
+        if self.digest is not None:
+            self.digest.update(data)
         self.count += len(data)
         return data
 
@@ -150,7 +151,7 @@ class _HashingReader:
 
 def build_index(url: str, checksum: bool = True) -> ShardIndex:
     """Read a shard once and return its index (offsets, size, sha256 of the stored bytes)."""
-    hashing = _HashingReader(gopen(url, "rb"))
+    hashing = _HashingReader(gopen(url, "rb"), hashing=checksum)
     try:
         head = b""
         while len(head) < 10 and (chunk := hashing.read(10 - len(head))):
@@ -159,14 +160,14 @@ def build_index(url: str, checksum: bool = True) -> ShardIndex:
         stream: IO[bytes] = cast(IO[bytes], PrefixedStream(head, cast(IO[bytes], hashing)))
         if compression is not None:
             stream = decompress_stream(compression, stream)
-        reader = ShardSampleReader(url, stream=stream, skip_meta=None)
+        reader = ShardSampleReader(url, stream=stream)  # (metadata members skipped, as every reader does)
         offsets = array("Q", (sample["__offset__"] for sample in reader))
         offsets.append(reader.next_offset)
         while hashing.read(1 << 22):  # whatever follows the end blocks still belongs to the file
             pass
     finally:
         hashing.close()
-    sha256 = hashing.digest.hexdigest() if checksum else None
+    sha256 = hashing.digest.hexdigest() if hashing.digest is not None else None
     return ShardIndex(posixpath.basename(urlparse(url).path or url), offsets, hashing.count, sha256, compression)
 
 

@@ -15,7 +15,6 @@ import os
 import re
 from collections.abc import Callable, Iterable, Iterator
 from typing import IO, Any
-from urllib.parse import urlparse
 
 from webdataset.handlers import reraise_exception
 from webdataset.tariterators import base_plus_ext, group_by_keys, valid_sample
@@ -25,6 +24,7 @@ from .gopen import open_shard
 from .pipeline import Address, Context, SourceStage
 from .positions import OFFSET_FIELD, ORDINAL_FIELD
 from .state import StateMismatchError, describe
+from .storage import local_path
 from .tarformat import BLOCK, TarMember, TarMemberReader
 
 __all__ = [
@@ -310,7 +310,7 @@ class TarfileToSamples(SourceStage):
                 if resume["done"]:
                     continue
             live.update(shards_started=started, url=url, offset=offset, ordinal=ordinal, done=False)
-            local = _local_path(url) if self.local_path else None
+            local = local_path(url) if self.local_path else None
             stopped = False
             try:
                 for reader in self._readers(ctx, url, offset, ordinal):
@@ -382,7 +382,7 @@ class TarfileToSamples(SourceStage):
             ordinals[url, offset] = ordinal
         found: list[Any] = [None] * len(addresses)
         for url, by_offset in wanted.items():
-            local = _local_path(url)
+            local = local_path(url)
             samples = self._read_spans(url, local, by_offset, ordinals) if local is not None else None
             if samples is None:
                 samples = self._read_runs(url, by_offset, ordinals)
@@ -514,11 +514,6 @@ def _runs(offsets: list[int], gap: int = 1 << 18) -> list[list[int]]:
         else:
             runs.append([offset])
     return runs
-
-
-def _local_path(url: str) -> str | None:
-    parsed = urlparse(url)
-    return parsed.path if parsed.scheme in ("", "file") else None
 
 
 tarfile_to_samples = TarfileToSamples

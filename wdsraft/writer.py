@@ -27,7 +27,7 @@ from typing import IO, Any, cast
 
 from webdataset.writer import make_encoder
 
-from .index import MANIFEST_NAME, Manifest, ShardIndex, relative_to
+from .index import MANIFEST_NAME, ShardIndex, manifest_for
 from .storage import is_s3, local_path, open_atomic
 from .tarformat import HeaderBuilder, end_of_archive, member_padding
 from .tariterators import is_meta_member, split_key
@@ -309,10 +309,7 @@ class ShardWriter:
         self.finish()
         if self.manifest_url:
             name = posixpath.basename(os.path.splitext(self.pattern)[0]).split("%")[0].rstrip("-_.") or "dataset"
-            manifest = Manifest(name=name)
-            for url, index in self.written:
-                manifest.add(relative_to(self._directory, url), index)
-            manifest.save(self.manifest_url)
+            manifest_for(self._directory, self.written, name).save(self.manifest_url)
 
     def abort(self) -> None:
         """Drop the shard in progress (committed shards stay)."""
