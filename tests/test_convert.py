@@ -608,3 +608,50 @@ def test_memory_stays_within_budget(tmp_path: Path, buckets: int | None) -> None
         f"peak RSS {peak / 2**20:.1f} MiB, fixed overhead {baseline / 2**20:.1f} MiB, budget {budget / 2**20:.0f} MiB"
     )
     assert peak - baseline < budget + (2 << 20), (peak - baseline) / 2**20
+
+
+def test_lock_left_by_a_task_killed_while_finalizing(tmp_path: Path, corpus) -> None:
+    """A rerun of the task that held the finalize lock (SIGKILL, preemption, time limit) takes it over;
+    another task defers to a lock held by a live one."""
+    paths, _ = corpus
+    reference = tmp_path / "reference"
+    run(paths, reference, samples_per_shard=40, buckets=3)
+    out, work = tmp_path / "out", tmp_path / "work"
+    options = {"samples_per_shard": 40, "buckets": 3, "workdir": str(work), "task_count": 2}
+    for task in range(2):
+        run(paths, out, task_index=task, phase="scatter", **options)
+    run(paths, out, task_index=0, phase="write", **options)
+    (work / "finalize.lock").write_text(json.dumps({"task": 1, "pid": 1}))  # task 1 died while finalizing
+    assert not run(paths, out, task_index=0, **options).finalized  # task 1's, and task 1 may be alive
+    assert run(paths, out, task_index=1, **options).finalized  # task 1 again: its own lock, taken over
+    assert dataset_files(out) == dataset_files(reference) and not work.exists()
+
+
+def test_slurm_array_with_a_step(monkeypatch) -> None:
+    from wdsraft.convert import slurm_array_task
+
+    env = {"SLURM_ARRAY_TASK_ID": "14", "SLURM_ARRAY_TASK_MIN": "0", "SLURM_ARRAY_TASK_COUNT": "8"}
+    for key, value in {**env, "SLURM_ARRAY_TASK_STEP": "2"}.items():
+        monkeypatch.setenv(key, value)
+    assert slurm_array_task() == (7, 8)  # --array=0-14:2
+
+
+def test_input_names_stay_unique() -> None:
+    from wdsraft.convert import InputFile, _name_inputs
+
+    inputs = [InputFile(url, 1, None) for url in ("/d/x.jsonl", "/d/x.jsonl.jsonl", "/d/x.ndjson", "/d/y.jsonl")]
+    _name_inputs(inputs)
+    names = [item.name for item in inputs]
+    assert len(set(names)) == len(names) and names[-1] == "y"
+
+
+def test_multi_member_gzip_size_estimate(tmp_path: Path) -> None:
+    from wdsraft.convert import InputFile
+
+    path = tmp_path / "multi.jsonl.gz"
+    with open(path, "wb") as out:  # bgzip/pigz -i style: several members, the last one empty
+        for part in range(20):
+            out.write(gzip.compress(b"".join(b'{"text": "%d"}\n' % (part * 1000 + n) for n in range(1000))))
+        out.write(gzip.compress(b""))
+    estimate = InputFile(str(path), path.stat().st_size, "gzip").estimated_bytes()
+    assert path.stat().st_size < estimate < 100 * path.stat().st_size  # not 4 GiB

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import base64
 import bz2
+import collections
 import contextlib
 import glob
 import hashlib
@@ -61,7 +62,7 @@ import zstandard
 from .errors import IndexFormatError
 from .gopen import gopen, s3_client, s3_endpoint_url, s5cmd_binary, sniff_compression
 from .index import INDEX_SUFFIX, MANIFEST_NAME, Manifest, ManifestEntry, ShardIndex
-from .storage import is_s3, local_path, open_atomic, write_bytes_atomic
+from .storage import is_s3, local_path, open_atomic, remove, write_bytes_atomic
 from .tarformat import HeaderBuilder, end_of_archive
 
 __all__ = [
@@ -133,7 +134,8 @@ def slurm_array_task() -> tuple[int, int] | None:
     if task_id is None or count is None:
         return None
     first = int(os.environ.get("SLURM_ARRAY_TASK_MIN", "0"))
-    return int(task_id) - first, int(count)
+    step = int(os.environ.get("SLURM_ARRAY_TASK_STEP", "1") or 1)  # --array=0-14:2
+    return (int(task_id) - first) // step, int(count)
 
 
 def default_workers() -> int:
@@ -324,9 +326,9 @@ class InputFile:
             with open(path, "rb") as handle:
                 if self.compression == "gzip":
                     handle.seek(-4, os.SEEK_END)
-                    isize = int.from_bytes(handle.read(4), "little")  # uncompressed size mod 2**32
-                    wraps = max(0, math.ceil((self.size - isize) / (1 << 32)))
-                    return isize + wraps * (1 << 32)
+                    isize = int.from_bytes(handle.read(4), "little")  # the last member's size mod 2**32
+                    # Smaller than the file: a multi-member file (bgzip, pigz -i) or one past 4 GiB.
+                    return isize if isize >= self.size else guess
                 if self.compression == "zstd":
                     content = zstandard.frame_content_size(handle.read(18))
                     return content if content >= self.size else guess
@@ -420,8 +422,15 @@ def _name_inputs(inputs: list[InputFile]) -> None:
     counts: dict[str, int] = {}
     for stem in stems:
         counts[stem] = counts.get(stem, 0) + 1
-    for item, rel, stem in zip(inputs, relative, stems, strict=True):
-        item.name = tar_safe_key(stem if counts[stem] == 1 else rel)
+    names = [tar_safe_key(stem if counts[stem] == 1 else rel) for rel, stem in zip(relative, stems, strict=True)]
+    # A stem can still meet another input's full name (x.jsonl.jsonl's stem is x.jsonl): those take theirs.
+    taken = collections.Counter(names)
+    names = [name if taken[name] == 1 else tar_safe_key(rel) for name, rel in zip(names, relative, strict=True)]
+    clashes = sorted(name for name, count in collections.Counter(names).items() if count > 1)
+    if clashes:
+        raise ConvertError(f"cannot name the inputs uniquely: {clashes}")
+    for item, name in zip(inputs, names, strict=True):
+        item.name = name
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1979,11 +1988,8 @@ class Converter:
             )
         logger.warning("removing %d files of the previous dataset in %s", len(existing), self.options.output)
         for url in existing:
-            if is_s3(url):
-                parsed = urlparse(url)
-                s3_client().delete_object(Bucket=parsed.netloc, Key=parsed.path.lstrip("/"))
-            else:
-                os.unlink(url)
+            with contextlib.suppress(FileNotFoundError):  # (the other tasks of an array remove them too)
+                remove(url)
 
     # -- phases ----------------------------------------------------------------------------
 
@@ -2126,13 +2132,8 @@ class Converter:
 
     def _finalize_once(self, plan: Plan, forced: bool) -> None:
         """Only one task of an array finalizes (the first to take the lock); ``--phase finalize`` always does."""
-        if not forced:
-            try:
-                descriptor = os.open(self.workdir.finalize_lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-            except (FileExistsError, FileNotFoundError):
-                logger.info("another task is finalizing")
-                return
-            os.close(descriptor)
+        if not forced and not self._take_finalize_lock():
+            return
         try:
             layout, _ = self._layout(plan)
             Finalizer(plan, self.workdir, layout, self.options, self.report).run()
@@ -2140,6 +2141,35 @@ class Converter:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.workdir.finalize_lock)
             raise
+
+    def _take_finalize_lock(self) -> bool:
+        """The finalize lock, naming the task that holds it. A lock held by this task's own index was
+        left by an earlier run of this task killed while finalizing (SLURM runs one process per array
+        index at a time: a requeue or a rerun of the command): it is taken over. So is an empty one
+        (killed between creating and writing it); finalizing twice is harmless, it is deterministic
+        and every write is atomic."""
+        path = self.workdir.finalize_lock
+        task = self.options.task_index
+        for _ in range(2):
+            try:
+                descriptor = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileNotFoundError:  # the work directory is gone: finalized already
+                return False
+            except FileExistsError:
+                with open(path, "rb") as lock:
+                    owner = lock.read()
+                holder = json.loads(owner).get("task") if owner else None
+                if owner and holder != task:
+                    logger.info("task %s is finalizing", holder)
+                    return False
+                logger.warning("taking over the finalize lock left by an earlier run of task %d", task)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                continue
+            with os.fdopen(descriptor, "wb") as lock:
+                lock.write(json.dumps({"task": task, "pid": os.getpid()}).encode())
+            return True
+        return False
 
 
 class Finalizer:
