@@ -46,11 +46,6 @@ def worker_info(group: object = None) -> WorkerInfo:
     return WorkerInfo(*rank_and_world_size(group), *worker_and_count())
 
 
-def pytorch_worker_info(group: object = None) -> tuple[int, int, int, int]:
-    """webdataset's name for :func:`worker_info`."""
-    return tuple(worker_info(group))  # type: ignore[return-value]
-
-
 def pytorch_worker_seed(group: object = None) -> int:
     """webdataset's per-worker seed: ``rank * 1000 + worker``."""
     info = worker_info(group)

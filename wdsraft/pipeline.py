@@ -31,7 +31,6 @@ import logging
 import sys
 import warnings
 import weakref
-from collections import Counter
 from collections.abc import Callable, Iterator
 from itertools import islice
 from operator import itemgetter
@@ -98,8 +97,6 @@ class Context:
         self.provenance: Address | None = None
         self.serial = 0
         self.source: SourceStage | None = None
-        #: Raw items still referenced by buffered items, by source key (lets a source drop what it keeps).
-        self.live: Counter = Counter()
         self.rematerializers: dict[int, Callable[[list[Address]], list[Any]]] = {}
         self.stages: list[Any] = []
         #: A ledger's consumed set for this epoch (elastic resume): the source skips these positions.

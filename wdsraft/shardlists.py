@@ -7,6 +7,7 @@ produce the same URLs again: their state is the seed they actually used.
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import sys
@@ -76,7 +77,15 @@ def split_by_worker(src: Iterator[Any]) -> Iterator[Any]:
         yield from src
 
 
-class SimpleShardList(IterableDataset, Stage):
+class _UrlList:
+    urls: list[str]
+
+    @functools.cached_property
+    def _urls_fingerprint(self) -> str:  # (once: configurations are described every epoch, in every worker)
+        return fingerprint(self.urls)
+
+
+class SimpleShardList(_UrlList, IterableDataset, Stage):
     """A fixed list of shard URLs (brace patterns expanded), optionally shuffled with ``seed`` as webdataset does."""
 
     def __init__(self, urls: Any, seed: Any = None):
@@ -89,7 +98,7 @@ class SimpleShardList(IterableDataset, Stage):
         return len(self.urls)
 
     def config(self) -> dict[str, Any]:
-        return {"urls": fingerprint(self.urls), "num_urls": len(self.urls), "seed": describe(self.seed)}
+        return {"urls": self._urls_fingerprint, "num_urls": len(self.urls), "seed": describe(self.seed)}
 
     def epoch_start_state(self) -> dict[str, Any]:
         return {}
@@ -104,7 +113,7 @@ class SimpleShardList(IterableDataset, Stage):
         return self.run(Context(0, worker_info()), None, None)
 
 
-class ResampledShards(IterableDataset, Stage):
+class ResampledShards(_UrlList, IterableDataset, Stage):
     """An endless stream of shards drawn with replacement, as webdataset's.
 
     With ``deterministic=True`` the draws are a function of (worker seed, epoch, seed),
@@ -138,7 +147,7 @@ class ResampledShards(IterableDataset, Stage):
 
     def config(self) -> dict[str, Any]:
         return {
-            "urls": fingerprint(self.urls),
+            "urls": self._urls_fingerprint,
             "num_urls": len(self.urls),
             "nshards": self.nshards,
             "seed": self.seed,
