@@ -7,7 +7,9 @@ import os
 import shutil
 import subprocess
 import tarfile
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import webdataset
@@ -210,55 +212,52 @@ def test_random_shards_agree_with_webdataset(tmp_path_factory, keys, fields, fmt
     assert reader.exhausted
 
 
-def test_rename_files_can_give_extensionless_members_an_extension(tmp_path: Path) -> None:
+def write_members(url: str, names: Sequence[str]) -> None:
+    """A tar of one-byte members with these names, in this order (shapes no writer would make)."""
     from io import BytesIO
 
-    url = str(tmp_path / "noext.tar")
     with tarfile.open(url, "w") as archive:
-        for name in ("a", "a.txt", "b"):
+        for name in names:
             info = tarfile.TarInfo(name)
             info.size = 1
             archive.addfile(info, BytesIO(b"x"))
+
+
+def assert_resumes_at_every_sample(url: str, **kw: Any) -> list[dict[str, Any]]:
+    full = list(wdsraft.ShardSampleReader(url, **kw))
+    for number, sample in enumerate(full):
+        tail = wdsraft.ShardSampleReader(url, offset=sample["__offset__"], ordinal=sample["__ordinal__"], **kw)
+        assert [s["__key__"] for s in tail] == [s["__key__"] for s in full[number:]], number
+    return full
+
+
+def test_rename_files_can_give_extensionless_members_an_extension(tmp_path: Path) -> None:
+    url = str(tmp_path / "noext.tar")
+    write_members(url, ("a", "a.txt", "b", "c.txt"))
 
     def rename(name: str) -> str:
         return name if "." in name else name + ".bin"
 
     theirs = list(webdataset.tarfile_samples([{"url": url}], rename_files=rename))
     ours = list(wdsraft.tarfile_samples([{"url": url}], rename_files=rename))
-    assert without_positions(ours) == theirs and [s["__key__"] for s in ours] == ["a", "b"]
+    assert without_positions(ours) == theirs and [s["__key__"] for s in ours] == ["a", "b", "c"]
+    assert_resumes_at_every_sample(url, rename_files=rename)  # (b starts at its own member)
 
 
 def test_a_rename_that_splits_a_sample_still_resumes(tmp_path: Path) -> None:
-    from io import BytesIO
-
     url = str(tmp_path / "split.tar")
-    with tarfile.open(url, "w") as archive:
-        for name in ("k.jpg", "k.txt", "m.txt"):
-            info = tarfile.TarInfo(name)
-            info.size = 1
-            archive.addfile(info, BytesIO(b"x"))
+    write_members(url, ("k.jpg", "k.txt", "m.txt"))
 
     def rename(name: str) -> str:
         return "j.txt" if name == "k.txt" else name
 
-    full = list(wdsraft.ShardSampleReader(url, rename_files=rename))
+    full = assert_resumes_at_every_sample(url, rename_files=rename)
     assert [s["__key__"] for s in full] == ["k", "j", "m"]
-    for number, sample in enumerate(full):
-        tail = wdsraft.ShardSampleReader(
-            url, offset=sample["__offset__"], ordinal=sample["__ordinal__"], rename_files=rename
-        )
-        assert [s["__key__"] for s in tail] == [s["__key__"] for s in full[number:]]
 
 
 def test_stop_handler_on_duplicate_stops_everything_like_webdataset(tmp_path: Path) -> None:
-    from io import BytesIO
-
     url = str(tmp_path / "dup.tar")
-    with tarfile.open(url, "w") as archive:
-        for name in ("a.txt", "a.txt", "b.txt"):
-            info = tarfile.TarInfo(name)
-            info.size = 1
-            archive.addfile(info, BytesIO(b"x"))
+    write_members(url, ("a.txt", "a.txt", "b.txt"))
     sources = [{"url": url}, {"url": url}]
     theirs = list(webdataset.tarfile_samples(sources, handler=webdataset.ignore_and_stop))
     ours = list(wdsraft.tarfile_samples(sources, handler=wdsraft.ignore_and_stop))

@@ -150,7 +150,9 @@ class ShardSampleReader:
                 if (name[:2] == "__" or not meta_prefix_only) and self._is_meta(name):
                     continue
                 raw_prefix, _ = split_key(name)
-                if raw_prefix is not None and raw_prefix != raw_key:
+                if raw_prefix is None:  # no key as written: if a rename gives it one, its sample starts here
+                    group_offset = offset
+                elif raw_prefix != raw_key:
                     raw_key = raw_prefix
                     ordinal += 1
                     group_offset = offset
