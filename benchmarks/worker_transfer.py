@@ -1,0 +1,90 @@
+"""CPU cost of handing LLM batches from DataLoader workers to the training process.
+
+    python benchmarks/worker_transfer.py [--batches 3000] [--batch 8] [--length 2048]
+
+Two workers yield ready-made ``[batch, length]`` sequence batches (``collate_sequences``), so
+only the crossing is measured, side by side in one run:
+
+- **torch**: DataLoader's own path (``collate_fn=default_convert``): each tensor storage goes
+  into a new shared-memory segment whose file descriptor is handed over a socket;
+- **wdsraft**: ``WebLoader``'s default: the batch crosses as int32 token ids and row lengths
+  and labels, mask and position ids are rebuilt on arrival (checked in the worker first).
+
+Reported per batch: wall time, and CPU time of the training process and of the workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import time
+import warnings
+
+import numpy as np
+from torch.utils.data import IterableDataset, default_convert, get_worker_info
+
+import wdsraft as wds
+from wdsraft.llm import build_sequence
+
+
+class ReadyBatches(IterableDataset):
+    def __init__(self, count: int, batch: int, length: int):
+        self.count, self.batch, self.length = count, batch, length
+
+    def __iter__(self):
+        rng = np.random.default_rng(0)
+        sequences = []
+        for row in range(self.batch):  # documents of a few hundred tokens, the last row padded
+            sizes = [300, 700, 500, 548] if row else [300, 700]
+            pieces = [
+                (rng.integers(0, 100_000, size).astype(np.uint32), ("s.tar", row, 0, 0), 0, size, size)
+                for size in sizes
+            ]
+            sequences.append(build_sequence(pieces, self.length, 0))
+        info = get_worker_info()
+        for _ in range(self.count // info.num_workers):
+            yield wds.collate_sequences(sequences)  # (a new batch each time, as a pipeline makes them)
+
+
+def cpu_seconds() -> tuple[float, float]:
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
+
+
+def measure(path: str, args: argparse.Namespace) -> dict[str, float]:
+    dataset = ReadyBatches(args.batches, args.batch, args.length)
+    extra = {"collate_fn": default_convert} if path == "torch" else {}
+    loader = wds.WebLoader(dataset, batch_size=None, num_workers=2, prefetch_factor=16, **extra)
+    start, (main0, workers0) = time.perf_counter(), cpu_seconds()
+    count = sum(1 for _ in loader)
+    wall = time.perf_counter() - start
+    main1, workers1 = cpu_seconds()  # (workers are joined at the end of the epoch: their CPU is counted)
+    return {"wall": wall / count, "main": (main1 - main0) / count, "workers": (workers1 - workers0) / count}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, default=3000)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--length", type=int, default=2048)
+    args = parser.parse_args()
+    warnings.simplefilter("ignore", UserWarning)
+    print(f"{args.batches} batches of [{args.batch}, {args.length}] from 2 workers\n")
+    print("| path | wall per batch | training-process CPU per batch | worker CPU per batch | CPU per batch in all |")
+    print("|---|---:|---:|---:|---:|")
+    results = {path: measure(path, args) for path in ("torch", "wdsraft")}
+    for path, r in results.items():
+        total = r["main"] + r["workers"]
+        print(
+            f"| {path} | {r['wall'] * 1e3:.2f} ms | {r['main'] * 1e3:.2f} ms | {r['workers'] * 1e3:.2f} ms "
+            f"| {total * 1e3:.2f} ms |"
+        )
+    ratio = (results["torch"]["main"] + results["torch"]["workers"]) / (
+        results["wdsraft"]["main"] + results["wdsraft"]["workers"]
+    )
+    print(f"\nCPU per batch: torch's path costs {ratio:.1f}x wdsraft's")
+
+
+if __name__ == "__main__":
+    main()
