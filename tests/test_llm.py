@@ -234,7 +234,7 @@ def test_collate_sequences_for_varlen_attention() -> None:
 # -- exact resume ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("stage", ["concat_chunk", "chunk", "pack_bestfit", "pad"])
+@pytest.mark.parametrize("stage", ["concat_chunk", "chunk", "chunk_keep", "pack_bestfit", "pad"])
 def test_restore_at_every_step(urls, cl100k, stage) -> None:
     def make():
         pipeline = (
@@ -243,9 +243,12 @@ def test_restore_at_every_step(urls, cl100k, stage) -> None:
             .tokenize(cl100k, batch_size=4)
             .ensure_bos_eos(cl100k)
         )
-        sized = (
-            getattr(pipeline, stage)(LENGTH, buffer=6) if stage == "pack_bestfit" else getattr(pipeline, stage)(LENGTH)
-        )
+        if stage == "pack_bestfit":
+            sized = pipeline.pack_bestfit(LENGTH, buffer=6)
+        elif stage == "chunk_keep":
+            sized = pipeline.chunk(LENGTH, drop_remainder=False)
+        else:
+            sized = getattr(pipeline, stage)(LENGTH)
         return sized.batched(3)
 
     stream, states = states_along(make)

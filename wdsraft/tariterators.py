@@ -375,7 +375,8 @@ class TarfileToSamples(SourceStage):
         A local, uncompressed shard with an index is read sample by sample (one positioned
         read of exactly each sample's bytes), so the cost follows the number of samples
         wanted and nothing else. Otherwise the wanted offsets are grouped into runs of nearby
-        samples, each read forward from its first offset (one request per run on S3/HTTP).
+        samples, each read forward from its first offset (on S3/HTTP, a ranged read per run, after a
+        short read of the shard's first bytes to recognise its compression).
         """
         wanted: dict[str, dict[int, list[int]]] = {}
         ordinals: dict[tuple[str, int], int] = {}
