@@ -262,3 +262,14 @@ def test_stop_handler_on_duplicate_stops_everything_like_webdataset(tmp_path: Pa
     theirs = list(webdataset.tarfile_samples(sources, handler=webdataset.ignore_and_stop))
     ours = list(wdsraft.tarfile_samples(sources, handler=wdsraft.ignore_and_stop))
     assert without_positions(ours) == theirs and len(ours) == 1
+
+
+def test_tar_file_iterator_reads_compressed_streams_like_webdataset(tmp_path: Path) -> None:
+    url = str(tmp_path / "plain.tar")
+    write_members(url, ("a.txt", "b.txt"))
+    packed = tmp_path / "packed.tar.gz"
+    packed.write_bytes(gzip.compress(Path(url).read_bytes()))
+    with open(packed, "rb") as theirs_file, open(packed, "rb") as ours_file:
+        theirs = [(m["fname"], m["data"]) for m in webdataset.tariterators.tar_file_iterator(theirs_file)]
+        ours = [(m["fname"], m["data"]) for m in wdsraft.tariterators.tar_file_iterator(ours_file)]
+    assert ours == theirs == [("a.txt", b"x"), ("b.txt", b"x")]

@@ -230,8 +230,12 @@ class detshuffle(shuffle):
 
     def __init__(self, bufsize: int = 1000, initial: int = 100, seed: Any = 0, epoch: int = -1):
         super().__init__(bufsize, initial)
+        self._drawn = None  # seeded by seed + epoch: nothing drawn, nothing to carry in states
         self.detseed = seed
         self.epoch = epoch
+
+    def adopt_seed(self, seed: Any) -> None:
+        pass
 
     def config(self) -> dict[str, Any]:
         return {"bufsize": self.bufsize, "initial": self.initial, "seed": self.detseed, "epoch": self.epoch}

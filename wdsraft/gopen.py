@@ -195,6 +195,15 @@ def discard(stream: IO[bytes], count: int, url: str) -> None:
         raise TarFormatError(url, count - left, f"cannot read the stream ({type(exn).__name__}: {exn})") from exn
 
 
+def uncompressed(raw: IO[bytes]) -> tuple[IO[bytes], str | None]:
+    """The tar stream inside ``raw`` (decompressed if its first bytes say it is compressed) and the
+    compression found. Reads those first bytes; the stream returned still starts with them."""
+    head = _read_head(raw)
+    kind = sniff_compression(head)
+    stream: IO[bytes] = cast(IO[bytes], PrefixedStream(head, raw))
+    return (decompress_stream(kind, stream) if kind is not None else stream), kind
+
+
 def open_shard(url: str, offset: int = 0) -> IO[bytes]:
     """Open a shard as an uncompressed tar stream positioned at ``offset``.
 
@@ -205,14 +214,10 @@ def open_shard(url: str, offset: int = 0) -> IO[bytes]:
     """
     raw = _open_raw(url, offset)
     try:
-        head = _read_head(raw)
-        kind = sniff_compression(head)
+        stream, kind = uncompressed(raw)
         if kind is None and _can_seek(raw):
             raw.seek(offset)
             return raw
-        stream: IO[bytes] = cast(IO[bytes], PrefixedStream(head, raw))
-        if kind is not None:
-            stream = decompress_stream(kind, stream)
         discard(stream, offset, url)
         return stream
     except BaseException:

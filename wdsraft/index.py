@@ -27,7 +27,7 @@ from urllib.parse import urlparse
 import msgpack
 
 from .errors import IndexFormatError
-from .gopen import PrefixedStream, decompress_stream, gopen, sniff_compression
+from .gopen import gopen, uncompressed
 from .storage import write_bytes_atomic
 from .tariterators import ShardSampleReader
 
@@ -153,13 +153,7 @@ def build_index(url: str, checksum: bool = True) -> ShardIndex:
     """Read a shard once and return its index (offsets, size, sha256 of the stored bytes)."""
     hashing = _HashingReader(gopen(url, "rb"), hashing=checksum)
     try:
-        head = b""
-        while len(head) < 10 and (chunk := hashing.read(10 - len(head))):
-            head += chunk
-        compression = sniff_compression(head)
-        stream: IO[bytes] = cast(IO[bytes], PrefixedStream(head, cast(IO[bytes], hashing)))
-        if compression is not None:
-            stream = decompress_stream(compression, stream)
+        stream, compression = uncompressed(cast(IO[bytes], hashing))
         reader = ShardSampleReader(url, stream=stream)  # (metadata members skipped, as every reader does)
         offsets = array("Q", (sample["__offset__"] for sample in reader))
         offsets.append(reader.next_offset)

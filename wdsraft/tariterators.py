@@ -20,7 +20,7 @@ from webdataset.handlers import reraise_exception
 from webdataset.tariterators import base_plus_ext, group_by_keys, valid_sample
 
 from .errors import IndexFormatError
-from .gopen import open_shard
+from .gopen import open_shard, uncompressed
 from .pipeline import Address, Context, SourceStage
 from .positions import OFFSET_FIELD, ORDINAL_FIELD
 from .state import StateMismatchError, describe
@@ -549,7 +549,8 @@ def tar_file_iterator(
 ) -> Iterator[dict[str, Any]]:
     """Yield ``dict(fname=..., data=..., __offset__=...)`` for each regular file, as webdataset's."""
     is_meta = re.compile(skip_meta).match if skip_meta is not None else None
-    for name, member_offset, data in TarMemberReader(fileobj, url or str(fileobj), offset):
+    stream, _ = uncompressed(fileobj)  # (a compressed tar stream too, as tarfile's "r|*" reads it)
+    for name, member_offset, data in TarMemberReader(stream, url or str(fileobj), offset):
         try:
             if "/" not in name and name.startswith("__") and name.endswith("__"):
                 continue
