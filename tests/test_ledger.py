@@ -167,6 +167,36 @@ def test_elastic_resume_after_seed_and_batch_change(tmp_path, urls, workers) -> 
     assert set(union) == everything(urls) and max(union.values()) == 1
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_exact_resume_of_an_elastic_run(tmp_path, urls, workers) -> None:
+    """Run 1, then run 2 resumes it elastically (new seed and batch size) and checkpoints; run 3, with
+    run 2's configuration, resumes that checkpoint exactly: the same stream as run 2 went on with,
+    sample by sample, skipping what run 1 consumed."""
+
+    def pairs(batch) -> list[tuple[str, int]]:
+        return list(zip(batch["__url__"], batch["__ordinal__"].tolist(), strict=True))
+
+    first = wds.Ledger(str(tmp_path / "l"), run="one", rank=0, world_size=1)
+    loader = _sample_loader(urls, seed=1, batch=4, workers=workers)
+    for step, _batch in enumerate(first.track(loader), 1):
+        if step == 5:
+            saved = first.checkpoint(loader, step)
+            break
+    second = wds.Ledger(str(tmp_path / "l"), run="two", rank=0, world_size=1)
+    loader = _sample_loader(urls, seed=9, batch=5, workers=workers)
+    assert second.resume(loader, saved) == "elastic"
+    uninterrupted = []
+    for step, batch in enumerate(second.track(loader), 1):
+        if step == 4:
+            saved = second.checkpoint(loader, step)
+        elif step > 4:
+            uninterrupted.append(pairs(batch))
+    third = wds.Ledger(str(tmp_path / "l"), run="three", rank=0, world_size=1)
+    loader = _sample_loader(urls, seed=9, batch=5, workers=workers)
+    assert third.resume(loader, saved) == "exact"
+    assert [pairs(batch) for batch in third.track(loader)] == uninterrupted and uninterrupted
+
+
 def test_exact_resume_keeps_the_ledger_in_step(tmp_path, urls) -> None:
     ledger = wds.Ledger(str(tmp_path / "l"), run="one", rank=0, world_size=1)
     loader = _sample_loader(urls, seed=3, batch=4)
