@@ -15,7 +15,7 @@ import tiktoken
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_pipeline import resume, roundtrip, states_along
+from test_pipeline import identity, resume, roundtrip, states_along
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 import wdsraft as wds
@@ -362,6 +362,29 @@ def test_batches_from_a_worker_equal_the_training_process_batches(urls, cl100k) 
     assert all(wds.llm.compact_sequence_batch(batch) is not None for batch in in_process)  # they crossed compact
     for got, expected in zip(from_worker, in_process, strict=True):
         _assert_same_batch(got, expected)
+
+
+@pytest.mark.parametrize("context", ["spawn", "forkserver"])
+def test_llm_pipeline_in_spawned_workers(urls, hf_fast, context) -> None:
+    """Workers started by spawn/forkserver (macOS's default; the way to keep a training process that
+    uses the fast tokenizer from slowing forked workers) get the pipeline pickled: the stream is the
+    one forked workers give, and a resume in the middle continues it exactly."""
+
+    def make(start: str | None = context):
+        dataset = (
+            wds.WebDataset(urls, shardshuffle=5, seed=4)
+            .tokenize(hf_fast, text="json:text", batch_size=4)
+            .ensure_bos_eos(hf_fast)
+            .pack_bestfit(LENGTH, buffer=6)
+            .batched(2)
+        )
+        return wds.WebLoader(dataset, batch_size=None, num_workers=2, multiprocessing_context=start)
+
+    stream, states = states_along(make)
+    assert len(stream) > 5
+    assert stream == [identity(batch) for batch in make(start=None)]
+    middle = len(states) // 2
+    assert resume(make, states[middle], seed=middle) == stream[middle:]
 
 
 def test_webloader_converts_arrays_but_leaves_metadata_alone() -> None:

@@ -192,19 +192,25 @@ def as_tokenizer(tokenizer: Any, num_threads: int | None = None) -> TokenizerAda
     )
 
 
-def text_getter(text: str | Callable[[Any], str]) -> Callable[[Any], str]:
-    """Where a sample's text is: a field (``"txt"``), a field of a JSON field (``"json:text"``), or a function."""
-    if callable(text):
-        return text
-    field, _, inner = text.partition(":")
+class TextField:
+    """Where a sample's text is: a field (``"txt"``) or a field of a JSON field (``"json:text"``).
 
-    def get(sample: Any) -> str:
-        value = sample[field]
-        if inner:
-            value = (json.loads(value) if isinstance(value, (bytes, str)) else value)[inner]
+    A class, not a closure, so that a pipeline pickles into spawned or forkserver DataLoader workers.
+    """
+
+    def __init__(self, spec: str):
+        self.field, _, self.inner = spec.partition(":")
+
+    def __call__(self, sample: Any) -> str:
+        value = sample[self.field]
+        if self.inner:
+            value = (json.loads(value) if isinstance(value, (bytes, str)) else value)[self.inner]
         return value.decode("utf-8") if isinstance(value, (bytes, bytearray)) else str(value)
 
-    return get
+
+def text_getter(text: str | Callable[[Any], str]) -> Callable[[Any], str]:
+    """A sample's text: ``text`` itself when it is a function, else the field it names (``TextField``)."""
+    return text if callable(text) else TextField(text)
 
 
 # -- tokenize --------------------------------------------------------------------------------------
