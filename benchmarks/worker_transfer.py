@@ -2,13 +2,17 @@
 
     python benchmarks/worker_transfer.py [--batches 3000] [--batch 8] [--length 2048]
 
-Two workers yield ready-made ``[batch, length]`` sequence batches (``collate_sequences``), so
-only the crossing is measured, side by side in one run:
+Two workers run ready-made sequences through ``batched`` (``collate_sequences``), so only
+batching and the crossing are measured, side by side in one run:
 
 - **torch**: DataLoader's own path (``collate_fn=default_convert``): each tensor storage goes
   into a new shared-memory segment whose file descriptor is handed over a socket;
-- **wdsraft**: ``WebLoader``'s default: the batch crosses as int32 token ids and row lengths
-  and labels, mask and position ids are rebuilt on arrival (checked in the worker first).
+- **wdsraft, changed after batched**: ``WebLoader``'s default for a batch that a stage after
+  ``batched`` may have changed (here a ``map`` that changes nothing): it crosses as int32
+  token ids and row lengths, after a full check that labels, mask and position ids rebuild
+  from them; they are rebuilt on arrival;
+- **wdsraft**: the same for a batch straight from ``batched`` as the dataset's last stage,
+  which needs no check.
 
 Reported per batch: wall time, and CPU time of the training process and of the workers.
 """
@@ -27,7 +31,9 @@ import wdsraft as wds
 from wdsraft.llm import build_sequence
 
 
-class ReadyBatches(IterableDataset):
+class ReadySequences(IterableDataset):
+    """``count`` sequences per loader (split between its workers), ready for ``batched``."""
+
     def __init__(self, count: int, batch: int, length: int):
         self.count, self.batch, self.length = count, batch, length
 
@@ -42,8 +48,12 @@ class ReadyBatches(IterableDataset):
             ]
             sequences.append(build_sequence(pieces, self.length, 0))
         info = get_worker_info()
-        for _ in range(self.count // info.num_workers):
-            yield wds.collate_sequences(sequences)  # (a new batch each time, as a pipeline makes them)
+        for number in range(self.count // info.num_workers):
+            yield sequences[number % self.batch]
+
+
+def unchanged(batch):
+    return batch
 
 
 def cpu_seconds() -> tuple[float, float]:
@@ -53,9 +63,11 @@ def cpu_seconds() -> tuple[float, float]:
 
 
 def measure(path: str, args: argparse.Namespace) -> dict[str, float]:
-    dataset = ReadyBatches(args.batches, args.batch, args.length)
+    stages = [ReadySequences(args.batches * args.batch, args.batch, args.length), wds.batched(args.batch)]
+    if path == "wdsraft, changed after batched":
+        stages.append(wds.map(unchanged))
     extra = {"collate_fn": default_convert} if path == "torch" else {}
-    loader = wds.WebLoader(dataset, batch_size=None, num_workers=2, prefetch_factor=16, **extra)
+    loader = wds.WebLoader(wds.DataPipeline(*stages), batch_size=None, num_workers=2, prefetch_factor=16, **extra)
     start, (main0, workers0) = time.perf_counter(), cpu_seconds()
     count = sum(1 for _ in loader)
     wall = time.perf_counter() - start
@@ -73,7 +85,7 @@ def main() -> None:
     print(f"{args.batches} batches of [{args.batch}, {args.length}] from 2 workers\n")
     print("| path | wall per batch | training-process CPU per batch | worker CPU per batch | CPU per batch in all |")
     print("|---|---:|---:|---:|---:|")
-    results = {path: measure(path, args) for path in ("torch", "wdsraft")}
+    results = {path: measure(path, args) for path in ("torch", "wdsraft, changed after batched", "wdsraft")}
     for path, r in results.items():
         total = r["main"] + r["workers"]
         print(

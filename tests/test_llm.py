@@ -387,6 +387,59 @@ def test_llm_pipeline_in_spawned_workers(urls, hf_fast, context) -> None:
     assert resume(make, states[middle], seed=middle) == stream[middle:]
 
 
+def _mask_first_tokens(batch):
+    batch["labels"][:, :3] = -100  # (in place, as SFT code masks prompts)
+    return batch
+
+
+def _collate_then_mask(sequences):
+    return _mask_first_tokens(wds.collate_sequences(sequences))
+
+
+class _MaskingWrapper(torch.utils.data.IterableDataset):
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __iter__(self):
+        return map(_mask_first_tokens, self.inner)
+
+
+@pytest.mark.parametrize("where", ["map_after_batched", "own_collation", "wrapping_dataset"])
+def test_batches_changed_in_place_in_a_worker_cross_changed(urls, cl100k, where) -> None:
+    """A batch skips the compact form's full check only when it comes straight from ``batched``'s own
+    collation as the worker dataset's last stage; labels changed in place any other way still arrive."""
+
+    def loader(workers: int):
+        dataset = wds.WebDataset(urls, shardshuffle=False).tokenize(cl100k, batch_size=5).concat_chunk(LENGTH)
+        if where == "own_collation":
+            dataset = dataset.batched(3, collation_fn=_collate_then_mask)
+        else:
+            dataset = dataset.batched(3)
+        if where == "map_after_batched":
+            dataset = dataset.map(_mask_first_tokens)
+        if where == "wrapping_dataset":
+            dataset = _MaskingWrapper(dataset)
+        return wds.WebLoader(dataset, batch_size=None, num_workers=workers)
+
+    in_process = list(loader(0))
+    from_worker = list(loader(1))
+    assert len(from_worker) == len(in_process) > 5
+    assert all((batch["labels"][:, :3] == -100).all() for batch in from_worker)
+    for got, expected in zip(from_worker, in_process, strict=True):
+        _assert_same_batch(got, expected)
+
+
+def test_only_batches_collated_by_batched_itself_are_straight_from_collation(urls, cl100k) -> None:
+    sequences = documents(urls, cl100k).concat_chunk(LENGTH)
+    batches = list(itertools.islice(iter(sequences.batched(3)), 3))
+    assert not wds.llm.straight_from_collation(batches[0])  # a later batch was collated since
+    for batch in sequences.batched(3):
+        assert wds.llm.straight_from_collation(batch)
+        assert not wds.llm.straight_from_collation(batch)  # forgotten once asked
+    for batch in sequences.batched(3, collation_fn=_collate_then_mask):
+        assert not wds.llm.straight_from_collation(batch)
+
+
 def test_webloader_converts_arrays_but_leaves_metadata_alone() -> None:
     batch = {"x": np.arange(3), "__provenance__": [[["u", 1, 2, 0, 3, True]]], "__key__": "k"}
     converted = wds.compat.convert_batch(batch)

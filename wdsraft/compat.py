@@ -300,13 +300,24 @@ def convert_batch(batch: Any) -> Any:
     without walking metadata fields (``__key__``, ``__provenance__``...): they hold no arrays,
     and walking an LLM batch's provenance lists cost more than building the batch. In a worker,
     a batch of token sequences is packed for the crossing (``llm.CompactSequenceBatch``)."""
-    if get_worker_info() is not None:
-        compact = llm.compact_sequence_batch(batch)
+    info = get_worker_info()
+    if info is not None:
+        # The full check of a compact batch costs as much as making it. A batch that the worker's
+        # dataset, a pipeline ending in ``batched``, collated just now with ``collate_sequences``
+        # reaches this function with no code run on it since (DataLoader's fetcher only calls
+        # next() and this): it needs none.
+        unchanged = llm.straight_from_collation(batch) and _ends_in_batched(info.dataset)
+        compact = llm.compact_sequence_batch(batch, unchanged=unchanged)
         if compact is not None:
             return compact
     if type(batch) is dict:
         return {k: v if isinstance(k, str) and k.startswith("__") else default_convert(v) for k, v in batch.items()}
     return default_convert(batch)
+
+
+def _ends_in_batched(dataset: Any) -> bool:
+    stages = dataset.pipeline if isinstance(dataset, DataPipeline) else []
+    return bool(stages) and isinstance(stages[-1], filters.batched)
 
 
 class WebLoader(DataPipeline, FluidInterface):

@@ -299,8 +299,10 @@ class batched(Stage):
         ctx.provenance = None  # a batch has many sources: stages after it cannot address it
         if self.collation_fn is None:
             return list(batch)
-        if self.collation_fn is default_collation_fn and llm.is_sequence(batch[0]):
-            return llm.collate_sequences(list(batch))  # webdataset's collation cannot stack cu_seqlens
+        if self.collation_fn in (default_collation_fn, llm.collate_sequences) and llm.is_sequence(batch[0]):
+            collated = llm.collate_sequences(list(batch))  # webdataset's collation cannot stack cu_seqlens
+            llm.collated_here(collated)
+            return collated
         return self.collation_fn(list(batch))
 
 

@@ -22,6 +22,7 @@ import itertools
 import json
 import logging
 import os
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -752,9 +753,31 @@ class CompactSequenceBatch:
         return (expand_sequence_batch, (self.ids, self.used, self.rest))
 
 
-def compact_sequence_batch(batch: Any) -> CompactSequenceBatch | None:
-    """The compact form of a batch made by ``collate_sequences``, or None when ``batch`` is not one
-    (checked in full: a batch changed after collation, labels included, travels as it is)."""
+class _LastCollated(threading.local):
+    batch: Any = None
+
+
+_last_collated = _LastCollated()
+
+
+def collated_here(batch: dict[str, Any]) -> None:
+    """Note a batch ``batched`` just made with ``collate_sequences`` (the last one, in this thread)."""
+    _last_collated.batch = batch
+
+
+def straight_from_collation(batch: Any) -> bool:
+    """Whether ``batch`` is the last batch ``batched`` collated in this thread (and forget it). The
+    caller must know that no code ran on it since: see ``compat.convert_batch``."""
+    last, _last_collated.batch = _last_collated.batch, None
+    return last is batch
+
+
+def compact_sequence_batch(batch: Any, unchanged: bool = False) -> CompactSequenceBatch | None:
+    """The compact form of a batch made by ``collate_sequences``, or None when ``batch`` is not one.
+
+    Checked in full (a batch changed after collation, labels included, travels as it is), unless
+    the caller knows it is ``unchanged`` since ``collate_sequences`` made it.
+    """
     if not (type(batch) is dict and all(isinstance(batch.get(key), torch.Tensor) for key in SEQUENCE_TENSORS)):
         return None
     cu_seqlens = batch.get("cu_seqlens")
@@ -782,9 +805,10 @@ def compact_sequence_batch(batch: Any) -> CompactSequenceBatch | None:
     compact = ids.numpy().astype(np.int32)
     rest = {key: None if key in SEQUENCE_TENSORS else value for key, value in batch.items()}  # (keeps key order)
     rest["cu_seqlens"] = cu_seqlens.numpy()
-    expected = expand_sequence_batch(compact, used, rest)
-    if not all(torch.equal(expected[key], batch[key]) for key in SEQUENCE_TENSORS[1:]):
-        return None
+    if not unchanged:
+        expected = expand_sequence_batch(compact, used, rest)
+        if not all(torch.equal(expected[key], batch[key]) for key in SEQUENCE_TENSORS[1:]):
+            return None
     return CompactSequenceBatch(compact, used, rest)
 
 
