@@ -257,6 +257,24 @@ def test_restore_at_every_step(urls, cl100k, stage) -> None:
         assert resume(make, states[k], ("msgpack", "json", "torch")[k % 3], seed=k) == stream[k:], k
 
 
+@pytest.mark.parametrize("stage", ["concat_chunk", "chunk", "chunk_keep", "pack_bestfit", "pad"])
+def test_restore_inside_a_long_last_document(tmp_path, corpus_records, cl100k, stage) -> None:
+    """The input's last document spans several sequences, so a state taken inside it holds a full
+    sequence or more with nothing left to read (concat_chunk once failed to restore there)."""
+    long_text = next(r["text"] for r in corpus_records if len(cl100k.encode(r["text"])) > 5 * LENGTH)
+    with wds.TarWriter(str(tmp_path / "tail.tar")) as sink:
+        for number, text in enumerate(["a short one", "a second, a little longer, document", long_text[:3000]]):
+            sink.write({"__key__": f"{number:03d}", "txt": text})
+
+    def make():
+        return _sequences([str(tmp_path / "tail.tar")], cl100k, stage)
+
+    stream, states = states_along(make)
+    assert len(stream) >= (3 if stage == "pad" else 5)
+    for k in range(len(states)):
+        assert resume(make, states[k], "json", seed=k) == stream[k:], k
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_loader_resume_with_tokenization(urls, bpe, workers) -> None:
     def make():

@@ -23,7 +23,7 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -506,21 +506,28 @@ class ConcatChunk(_SequenceStage):
         held = self._held
         if self._saved is not None:
             held.extend(self._restore(ctx, self._saved))
-        total = sum(len(piece[0]) for piece in held)
+        # A state taken inside a long document holds a full sequence or more: hand those out first
+        # (the input may have nothing more to give).
+        total = yield from self._full_sequences(ctx, sum(len(piece[0]) for piece in held))
         tracker = AddressTracker(ctx)
         for item in src:
             tokens, base = _remaining(item)
             held.append((tokens, tracker.address(), base, base + len(tokens), base + len(tokens)))
-            total += len(tokens)
-            while total >= self.length:
-                out, rest = _take(held, self.length)
-                held[:] = rest
-                total -= self.length
-                yield self._emit(ctx, out)
+            total = yield from self._full_sequences(ctx, total + len(tokens))
         if held and total > 0:
             out = list(held)
             held.clear()
             yield self._emit(ctx, out)
+
+    def _full_sequences(self, ctx: Context, total: int) -> Generator[Any, None, int]:
+        """Hand out every full sequence the held tokens (``total`` of them) make; returns what is left."""
+        held = self._held
+        while total >= self.length:
+            out, rest = _take(held, self.length)
+            held[:] = rest
+            total -= self.length
+            yield self._emit(ctx, out)
+        return total
 
 
 def _take(pieces: list[Piece], count: int) -> tuple[list[Piece], list[Piece]]:
