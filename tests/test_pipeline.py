@@ -192,6 +192,33 @@ def test_restore_resampled_with_epoch(urls) -> None:
     assert len(stream) == 9
 
 
+@pytest.mark.parametrize("where", ["dataset", "webloader"])
+def test_state_at_the_end_of_a_with_epoch_window_starts_the_next_epoch(urls, where) -> None:
+    """A checkpoint taken inside the loop right after a window's last item: the resumed run's next
+    iter() must go on with the following epoch, as the uninterrupted one does (it replayed the
+    window's epoch once)."""
+
+    def make():
+        dataset = wds.WebDataset(urls, shardshuffle=4, seed=1).shuffle(4, seed=2).to_tuple("__key__")
+        if where == "dataset":
+            return dataset.with_epoch(5)
+        loader = wds.WebLoader(dataset.batched(2), batch_size=None, num_workers=2)
+        return loader.unbatched().shuffle(3, seed=5).batched(2).with_epoch(4)
+
+    pipeline = make()
+    first, state = [], None
+    for item in pipeline:
+        first.append(identity(item))
+        state = pipeline.state_dict()
+    following = [identity(item) for item in pipeline]
+    assert following and following != first
+    for how in ("msgpack", "json"):
+        restored = make()
+        restored.load_state_dict(roundtrip(state, how))
+        assert [identity(item) for item in restored] == []
+        assert [identity(item) for item in restored] == following
+
+
 def test_restore_datapipeline_with_slice_and_partial_batches(urls) -> None:
     def make(lib=wds):
         return lib.DataPipeline(

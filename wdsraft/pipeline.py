@@ -534,6 +534,7 @@ class _Iteration:
         self.stage_states = pending["stages"] if pending else None
         self.finished = False
         self.current: _Pass | None = None
+        self.window_closed = False  # restored right after the last item of a with_epoch window
         # The configuration cannot change during an iteration: describe it once, not at every state_dict().
         self.config = config_text({**pipeline.config(), "worker": list(info)})
         self.fingerprint = pipeline.fingerprint(info)
@@ -554,6 +555,11 @@ class _Iteration:
     def _run(self) -> Iterator[Any]:
         pipeline = self.pipeline
         limit = pipeline.nsamples if pipeline.repetitions != 1 and pipeline.nsamples > 0 else None
+        if limit is not None and self.yielded >= limit:
+            # Saved just after the window's last item: nothing more in this iter(), and the next one starts
+            # the epoch after this one, as it would have without the restore.
+            pipeline.epoch = self.epoch
+            self.window_closed = True
         while self.repetition < pipeline.repetitions and not (limit is not None and self.yielded >= limit):
             pipeline.epoch = self.epoch
             ctx = Context(self.epoch, self.info)
@@ -582,7 +588,7 @@ class _Iteration:
     def state_dict(self) -> dict[str, Any]:
         pipeline = self.pipeline
         if self.finished:
-            next_epoch = self.epoch + (0 if self.current is None else 1)
+            next_epoch = self.epoch + (1 if self.current is not None or self.window_closed else 0)
             return {**pipeline._initial_state(), "epoch": next_epoch, "finished": True}
         return {
             "format": STATE_FORMAT,
