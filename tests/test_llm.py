@@ -292,6 +292,23 @@ def test_loader_resume_with_tokenization(urls, bpe, workers) -> None:
         assert resume(make, states[k], seed=k) == stream[k:], k
 
 
+@pytest.mark.parametrize("stage", ["concat_chunk", "chunk", "pad", "pack_bestfit"])
+def test_provenance_of_sequences_made_in_the_training_process(urls, cl100k, stage) -> None:
+    """Sequence stages after a WebLoader see items addressed by loader batch: provenance must still
+    name each document's shard, ordinal and offset (the ledger reads them), as it does in the dataset."""
+
+    def sequences(dataset):
+        return getattr(dataset.tokenize(cl100k, batch_size=4), stage)(LENGTH).batched(2)
+
+    raw = wds.WebDataset(urls, shardshuffle=False).batched(3)
+    after_loader = list(sequences(wds.WebLoader(raw, batch_size=None, num_workers=0).unbatched()))
+    in_dataset = list(sequences(wds.WebDataset(urls, shardshuffle=False)))
+    assert [b["__provenance__"] for b in after_loader] == [b["__provenance__"] for b in in_dataset]
+    kinds = {tuple(type(v).__name__ for v in piece) for b in after_loader for s in b["__provenance__"] for piece in s}
+    assert kinds == {("str", "int", "int", "int", "int", "bool")}
+    assert wds.ledger.positions_of(after_loader[0])
+
+
 def test_sequence_state_is_positions_not_tokens(urls, cl100k) -> None:
     pipeline = documents(urls, cl100k).concat_chunk(LENGTH)
     iterator = iter(pipeline)

@@ -365,7 +365,7 @@ class ensure_bos_eos:
 
 # -- sequences -------------------------------------------------------------------------------------
 
-Piece = tuple  # (tokens: np.ndarray, address, start, end, doc_length)
+Piece = tuple  # (tokens: np.ndarray, address, start, end, doc_length, position)
 
 
 def _remaining(item: dict[str, Any]) -> tuple[np.ndarray, int]:
@@ -381,6 +381,15 @@ def _remaining(item: dict[str, Any]) -> tuple[np.ndarray, int]:
 
 def _position(address: Address | None) -> list[Any]:
     return list(address[:-1]) if address is not None else [None, None, None]
+
+
+def _document_position(item: Any, address: Address | None) -> list[Any]:
+    """``[shard, ordinal, offset]`` of a document, for provenance: its own fields where it has them (after a
+    ``WebLoader``, stages in the training process address items by loader batch), else its tar address."""
+    if isinstance(item, dict) and "__url__" in item and "__ordinal__" in item:
+        offset = item.get("__offset__")
+        return [str(item["__url__"]), int(item["__ordinal__"]), None if offset is None else int(offset)]
+    return _position(address)
 
 
 def build_sequence(pieces: Sequence[Piece], length: int, pad_id: int) -> dict[str, Any]:
@@ -404,7 +413,10 @@ def build_sequence(pieces: Sequence[Piece], length: int, pad_id: int) -> dict[st
     labels[:used] = ids[:used]
     mask[:used] = 1
     buffer[:, used:] = _padding_column(pad_id)
-    provenance = [[*_position(address), start, end, end == total] for _, address, start, end, total in pieces]
+    provenance = [
+        [*(piece[5] if len(piece) > 5 else _position(piece[1])), piece[2], piece[3], piece[3] == piece[4]]
+        for piece in pieces
+    ]
     input_ids, labels_, attention_mask, position_ids = torch.from_numpy(buffer).unbind(0)
     return {
         TOKENS: input_ids,
@@ -467,8 +479,9 @@ class _SequenceStage(Stage):
         documents = dict(zip(unique, ctx.rematerializers[self.index](unique), strict=True))
         pieces = []
         for address, (start, end) in zip(addresses, saved["spans"], strict=True):
-            tokens = documents[address][TOKENS]
-            pieces.append((tokens[start:end], address, start, end, len(tokens)))
+            document = documents[address]
+            tokens = document[TOKENS]
+            pieces.append((tokens[start:end], address, start, end, len(tokens), _document_position(document, address)))
         return pieces
 
     def addresses(self) -> list[Address]:
@@ -512,7 +525,9 @@ class ConcatChunk(_SequenceStage):
         tracker = AddressTracker(ctx)
         for item in src:
             tokens, base = _remaining(item)
-            held.append((tokens, tracker.address(), base, base + len(tokens), base + len(tokens)))
+            address = tracker.address()
+            end = base + len(tokens)
+            held.append((tokens, address, base, end, end, _document_position(item, address)))
             total = yield from self._full_sequences(ctx, total + len(tokens))
         if held and total > 0:
             out = list(held)
@@ -533,15 +548,16 @@ class ConcatChunk(_SequenceStage):
 def _take(pieces: list[Piece], count: int) -> tuple[list[Piece], list[Piece]]:
     """Split a list of pieces after ``count`` tokens."""
     taken: list[Piece] = []
-    for i, (tokens, address, start, end, total) in enumerate(pieces):
+    for i, piece in enumerate(pieces):
+        tokens, address, start, end, total, position = piece
         if count >= len(tokens):
-            taken.append((tokens, address, start, end, total))
+            taken.append(piece)
             count -= len(tokens)
             if count == 0:
                 return taken, pieces[i + 1 :]
             continue
-        taken.append((tokens[:count], address, start, start + count, total))
-        rest = [(tokens[count:], address, start + count, end, total), *pieces[i + 1 :]]
+        taken.append((tokens[:count], address, start, start + count, total, position))
+        rest = [(tokens[count:], address, start + count, end, total, position), *pieces[i + 1 :]]
         return taken, rest
     return taken, []
 
@@ -567,15 +583,17 @@ class Chunk(_SequenceStage):
         tracker = AddressTracker(ctx)
         for item in src:
             tokens, base = _remaining(item)
-            self._held.append((tokens, tracker.address(), base, base + len(tokens), base + len(tokens)))
+            address = tracker.address()
+            end = base + len(tokens)
+            self._held.append((tokens, address, base, end, end, _document_position(item, address)))
             yield from self._cut(ctx)
 
     def _cut(self, ctx: Context) -> Iterator[Any]:
         while self._held:
-            tokens, address, start, end, total = self._held[0]
+            tokens, address, start, end, total, position = self._held[0]
             if len(tokens) >= self.length:
-                piece = (tokens[: self.length], address, start, start + self.length, total)
-                rest = (tokens[self.length :], address, start + self.length, end, total)
+                piece = (tokens[: self.length], address, start, start + self.length, total, position)
+                rest = (tokens[self.length :], address, start + self.length, end, total, position)
                 self._held[0] = rest
                 if len(rest[0]) == 0:
                     self._held.pop(0)
@@ -583,14 +601,14 @@ class Chunk(_SequenceStage):
             else:
                 self._held.pop(0)
                 if len(tokens) and not self.drop_remainder:
-                    yield self._emit(ctx, [(tokens, address, start, end, total)])
+                    yield self._emit(ctx, [(tokens, address, start, end, total, position)])
 
 
 class pad:
     """One document per sequence, truncated to ``length`` and padded (supervised fine-tuning).
 
-    A stateless map: it holds nothing between items. Provenance marks whether the
-    document's last token made it into the sequence.
+    A stateless map: it holds nothing between items. A document is consumed by its sequence,
+    truncated tail included: its provenance says ``is_last`` even when the tail was cut off.
     """
 
     def __init__(self, length: int, pad_id: int = 0):
@@ -603,7 +621,8 @@ class pad:
             kept = tokens[: self.length]
             address = _item_address(item)
             # The document is consumed with this sequence, truncated tail included: pad drops it by design.
-            piece = (kept, address, base, base + len(kept), base + len(kept))
+            end = base + len(kept)
+            piece = (kept, address, base, end, end, _document_position(item, address))
             yield build_sequence([piece], self.length, self.pad_id)
 
 
@@ -657,13 +676,14 @@ class PackBestFit(_SequenceStage):
         for item in src:
             tokens, base = _remaining(item)
             address = tracker.address()
+            position = _document_position(item, address)
             end = base + len(tokens)
             full = len(tokens) // n if len(tokens) > n else 0
             for k in range(full):  # a long document: full sequences first, the rest is packed
-                piece = (tokens[k * n : (k + 1) * n], address, base + k * n, base + (k + 1) * n, end)
+                piece = (tokens[k * n : (k + 1) * n], address, base + k * n, base + (k + 1) * n, end, position)
                 self._ready.append([piece])
             if len(tokens) - full * n > 0 or len(tokens) == 0:
-                self._held.append((tokens[full * n :], address, base + full * n, end, end))
+                self._held.append((tokens[full * n :], address, base + full * n, end, end, position))
             if len(self._held) >= self.buffer:
                 self._ready.extend(self._pack(self._held))
                 self._held = []
