@@ -275,6 +275,33 @@ def test_restore_inside_a_long_last_document(tmp_path, corpus_records, cl100k, s
         assert resume(make, states[k], "json", seed=k) == stream[k:], k
 
 
+@pytest.mark.parametrize("stage", ["concat_chunk", "chunk_keep", "pad", "pack_bestfit", "pack_bestfit_1"])
+def test_empty_documents_make_no_sequence_of_their_own(tmp_path, cl100k, stage) -> None:
+    """Without ensure_bos_eos a document can have no tokens: no stage emits a sequence without a real
+    token (its labels would all be -100), and resuming at every step stays exact."""
+    texts = ["", "a short one", "", "", "a second document, " * 30, "", "the last words", ""]
+    with wds.TarWriter(str(tmp_path / "empty.tar")) as sink:
+        for number, text in enumerate(texts):
+            sink.write({"__key__": f"{number:03d}", "txt": text})
+
+    def make():
+        pipeline = documents([str(tmp_path / "empty.tar")], cl100k, batch_size=3)
+        if stage == "chunk_keep":
+            return pipeline.chunk(LENGTH, drop_remainder=False)
+        if stage == "pack_bestfit_1":
+            return pipeline.pack_bestfit(LENGTH, buffer=1)
+        return getattr(pipeline, stage)(LENGTH)
+
+    stream, states = states_along(make)
+    sequences = list(make())
+    assert sequences and all(int(sequence["attention_mask"].sum()) > 0 for sequence in sequences)
+    delivered = sum(int(sequence["attention_mask"].sum()) for sequence in sequences)
+    lengths = [len(cl100k.encode(text)) for text in texts]
+    assert delivered == sum(min(n, LENGTH) if stage == "pad" else n for n in lengths)
+    for k in range(len(states)):
+        assert resume(make, states[k], "json", seed=k) == stream[k:], k
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_loader_resume_with_tokenization(urls, bpe, workers) -> None:
     def make():

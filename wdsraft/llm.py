@@ -623,7 +623,8 @@ class pad:
             # The document is consumed with this sequence, truncated tail included: pad drops it by design.
             end = base + len(kept)
             piece = (kept, address, base, end, end, _document_position(item, address))
-            yield build_sequence([piece], self.length, self.pad_id)
+            if len(kept):  # (an empty document, possible without ensure_bos_eos, makes no sequence)
+                yield build_sequence([piece], self.length, self.pad_id)
 
 
 def _item_address(item: dict[str, Any]) -> Address | None:
@@ -685,13 +686,19 @@ class PackBestFit(_SequenceStage):
             if len(tokens) - full * n > 0 or len(tokens) == 0:
                 self._held.append((tokens[full * n :], address, base + full * n, end, end, position))
             if len(self._held) >= self.buffer:
-                self._ready.extend(self._pack(self._held))
-                self._held = []
+                self._pack_held(final=False)
             yield from self._hand_out(ctx)
         if self._held:
-            self._ready.extend(self._pack(self._held))
-            self._held = []
+            self._pack_held(final=True)
         yield from self._hand_out(ctx)
+
+    def _pack_held(self, final: bool) -> None:
+        held, self._held = self._held, []
+        for sequence in self._pack(held):
+            if any(len(piece[0]) for piece in sequence):
+                self._ready.append(sequence)
+            elif not final:  # empty documents only: they wait to ride along in a sequence with tokens
+                self._held.extend(sequence)
 
     def _hand_out(self, ctx: Context) -> Iterator[Any]:
         while self._ready:
