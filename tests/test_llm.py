@@ -336,6 +336,40 @@ def test_provenance_of_sequences_made_in_the_training_process(urls, cl100k, stag
     assert wds.ledger.positions_of(after_loader[0])
 
 
+def _bpe_of_size(texts, size: int) -> Tokenizer:
+    tokenizer = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=size, special_tokens=["[UNK]"]))
+    return tokenizer
+
+
+def test_a_state_names_its_tokenizer_beyond_class_and_vocabulary_size(urls, corpus_records, cl100k) -> None:
+    """Token ranges in a state mean nothing under another tokenizer: one of the same class and vocabulary
+    size (two BPEs trained on different texts; cl100k with two ranks swapped, same name) is refused."""
+    first = _bpe_of_size([r["text"] for r in corpus_records[:100]], 600)
+    second = _bpe_of_size([r["text"] for r in corpus_records[100:200]], 600)
+    assert first.get_vocab_size() == second.get_vocab_size() and first.to_str() != second.to_str()
+    ranks = dict(cl100k._mergeable_ranks)
+    (a, rank_a), (b, rank_b) = list(ranks.items())[1000:1002]
+    ranks[a], ranks[b] = rank_b, rank_a
+    swapped = tiktoken.Encoding(
+        cl100k.name, pat_str=cl100k._pat_str, mergeable_ranks=ranks, special_tokens=cl100k._special_tokens
+    )
+
+    for saved_with, loaded_with in ((first, second), (cl100k, swapped)):
+        pipeline = documents(urls, saved_with, batch_size=4).concat_chunk(LENGTH)
+        iterator = iter(pipeline)
+        next(iterator)
+        state = roundtrip(pipeline.state_dict(), "json")
+        other = documents(urls, loaded_with, batch_size=4).concat_chunk(LENGTH)
+        with pytest.raises(wds.StateMismatchError, match="tokenizer"):
+            other.load_state_dict(state)
+            next(iter(other))
+        same = documents(urls, saved_with, batch_size=4).concat_chunk(LENGTH)
+        same.load_state_dict(state)
+        next(iter(same))  # (the same tokenizer still loads)
+
+
 def test_sequence_state_is_positions_not_tokens(urls, cl100k) -> None:
     pipeline = documents(urls, cl100k).concat_chunk(LENGTH)
     iterator = iter(pipeline)

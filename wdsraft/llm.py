@@ -18,6 +18,7 @@ import array
 import bisect
 import collections
 import functools
+import hashlib
 import itertools
 import json
 import logging
@@ -73,6 +74,20 @@ class TokenizerAdapter:
     pad_id: int | None = None
     name = "?"
 
+    @property
+    def identity(self) -> str:
+        """What a pipeline state records of the tokenizer: its name and a digest of what decides its ids
+        (two tokenizers of one class and vocabulary size must not pass for each other on a resume).
+        Computed once per adapter: a forked or spawned worker inherits it."""
+        identity = self.__dict__.get("_identity")
+        if identity is None:
+            digest = self._digest()
+            identity = self._identity = f"{self.name}:{digest}" if digest else self.name
+        return identity
+
+    def _digest(self) -> str | None:
+        return None
+
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         if type(self).submit is TokenizerAdapter.submit:
             raise NotImplementedError(f"{type(self).__name__} implements neither encode_batch nor submit")
@@ -112,6 +127,18 @@ class TiktokenTokenizer(_ThreadedAdapter):
         self.num_threads = self._threads = max(1, num_threads)
         self.eos_id = encoding.eot_token
         self.name = f"tiktoken:{encoding.name}"
+
+    def _digest(self) -> str | None:
+        ranks = getattr(self.encoding, "_mergeable_ranks", None)
+        specials = getattr(self.encoding, "_special_tokens", {})
+        if ranks is None:  # (not tiktoken's own Encoding: its name is all there is)
+            return None
+        digest = hashlib.sha256(str(getattr(self.encoding, "_pat_str", "")).encode())
+        for token, rank in ranks.items():
+            digest.update(token)
+            digest.update(rank.to_bytes(8, "little"))
+        digest.update(json.dumps(sorted(specials.items())).encode())
+        return digest.hexdigest()[:16]
 
     def _encode_run(self, texts: list[str]) -> list[np.ndarray]:
         encode = self.encoding.encode_to_numpy
@@ -156,6 +183,11 @@ class HFTokenizer(_ThreadedAdapter):
         self.eos_id = getattr(tokenizer, "eos_token_id", None)
         self.pad_id = getattr(tokenizer, "pad_token_id", None)
         self.name = f"hf:{type(tokenizer).__name__}:{backend.get_vocab_size()}"
+
+    def _digest(self) -> str | None:
+        # The whole serialized tokenizer (vocabulary, merges, normalizer, pre-tokenizer, truncation...):
+        # about 0.1 s for cl100k_base, once.
+        return hashlib.sha256(self.backend.to_str().encode()).hexdigest()[:16]
 
     def _encode(self, texts: list[str]) -> list[np.ndarray]:
         encode = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
@@ -239,7 +271,7 @@ class Tokenize(Stage):
 
     def config(self) -> dict[str, Any]:
         # A function is described by its name, not its repr (an address that differs in every process).
-        return {"tokenizer": self.tokenizer.name, "text": describe(self.text), "batch_size": self.batch_size}
+        return {"tokenizer": self.tokenizer.identity, "text": describe(self.text), "batch_size": self.batch_size}
 
     def _tokenized(self, samples: list[Any]) -> list[Any]:
         return self._with_ids(samples, self.tokenizer.encode_batch([self.get_text(sample) for sample in samples]))
