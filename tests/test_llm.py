@@ -370,6 +370,29 @@ def test_a_state_names_its_tokenizer_beyond_class_and_vocabulary_size(urls, corp
         next(iter(same))  # (the same tokenizer still loads)
 
 
+def test_sequence_batches_from_workers_regroup_in_the_training_process(urls, cl100k) -> None:
+    """webdataset's idiom: batch in the workers, then unbatch, shuffle across workers and batch again in
+    the training process; with LLM sequences the rows keep their own cu_seqlens, and resume is exact."""
+
+    def loader():
+        dataset = documents(urls, cl100k, batch_size=4).ensure_bos_eos(cl100k).pack_bestfit(LENGTH, buffer=5)
+        return wds.WebLoader(dataset.batched(4), batch_size=None, num_workers=2)
+
+    def make():
+        return loader().unbatched().shuffle(5, seed=3).batched(3)
+
+    def rows(batches) -> Counter:
+        return Counter(tuple(r.tolist()) for b in batches for r in torch.cat([b["input_ids"], b["position_ids"]], 1))
+
+    stream, states = states_along(make)
+    batches = list(make())
+    assert rows(batches) == rows(loader()) and len(batches) > 5  # the same sequences, regrouped
+    for batch in batches:
+        _assert_same_batch(batch, wds.collate_sequences(wds.llm.split_sequence_batch(batch)))
+    for k in range(0, len(states), 3):
+        assert resume(make, states[k], "msgpack", seed=k) == stream[k:], k
+
+
 def test_sequence_state_is_positions_not_tokens(urls, cl100k) -> None:
     pipeline = documents(urls, cl100k).concat_chunk(LENGTH)
     iterator = iter(pipeline)
@@ -420,6 +443,8 @@ def test_compact_batch_crosses_to_the_same_batch(sizes, length, pad_id, high) ->
     wire = pickle.dumps(compact)
     assert len(wire) < batch["input_ids"].numel() * 8 + 4096  # a quarter of the four int64 rows, plus metadata
     _assert_same_batch(pickle.loads(wire), batch)
+    # Split into its sequences (unbatched in the training process) and collated again: the same batch.
+    _assert_same_batch(wds.collate_sequences(wds.llm.split_sequence_batch(batch)), batch)
 
 
 @pytest.mark.parametrize("change", ["labels", "mask_hole", "positions", "segments", "big_ids", "not_a_batch"])

@@ -372,6 +372,8 @@ class unbatched(_Splitter):
     def split(self, sample: Any) -> list[Any]:
         if isinstance(sample, (list, tuple)):
             return [tuple(x[i] for x in sample) for i in range(len(sample[0]))]
+        if llm.is_sequence_batch(sample):  # (batch-level cu_seqlens/max_seqlen do not split by row)
+            return llm.split_sequence_batch(sample)
         if isinstance(sample, dict):
             lengths = {len(v) for v in sample.values()}
             assert len(lengths) == 1, lengths

@@ -771,6 +771,31 @@ def is_sequence(item: Any) -> bool:
     return isinstance(item, dict) and PROVENANCE in item and "cu_seqlens" in item
 
 
+def is_sequence_batch(batch: Any) -> bool:
+    """Whether ``batch`` is a batch ``collate_sequences`` made (``[batch, length]`` token ids)."""
+    return is_sequence(batch) and isinstance(batch.get(TOKENS), torch.Tensor) and batch[TOKENS].dim() == 2
+
+
+def split_sequence_batch(batch: dict[str, Any]) -> list[dict[str, Any]]:
+    """The sequences of a ``collate_sequences`` batch, as the sequence stages made them (rows are views),
+    so that ``unbatched`` and ``batched`` can regroup them in the training process."""
+    rows, length = batch[TOKENS].shape
+    bounds = batch["cu_seqlens"].tolist()
+    per_row = {key: value for key, value in batch.items() if key not in ("cu_seqlens", "max_seqlen")}
+    sequences = []
+    cursor = 1  # bounds[0] is the first row's start
+    for row in range(rows):
+        # A row holds one segment per document piece (its provenance says how many; pieces may be empty,
+        # so values alone cannot tell rows apart), then a padding segment if the pieces end short of it.
+        pieces = len(batch[PROVENANCE][row])
+        row_bounds = [0, *(bound - row * length for bound in bounds[cursor : cursor + pieces])]
+        cursor += pieces + (row_bounds[-1] < length)
+        sequence = {key: value[row] for key, value in per_row.items()}
+        sequence["cu_seqlens"] = row_bounds
+        sequences.append(sequence)
+    return sequences
+
+
 def collate_sequences(sequences: list[dict[str, Any]]) -> dict[str, Any]:
     """Stack sequences into a batch of ``[batch, length]`` tensors, with batch-level ``cu_seqlens``
     and ``max_seqlen`` for variable-length attention over the flattened batch (flash-attn's
