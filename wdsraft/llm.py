@@ -17,6 +17,7 @@ from __future__ import annotations
 import array
 import bisect
 import collections
+import contextlib
 import functools
 import hashlib
 import itertools
@@ -24,6 +25,7 @@ import json
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -59,6 +61,22 @@ logger = logging.getLogger(__name__)
 
 
 # -- tokenizers ------------------------------------------------------------------------------------
+
+
+# Digests of tokenizer objects, so that the pipelines of one process built on one tokenizer compute
+# it once (0.1 s for a fast cl100k_base). Keyed by id, checked by a weak reference: a tokenizer
+# collected and another allocated at its address is not mistaken for it.
+_digests: dict[int, tuple[weakref.ref, str | None]] = {}
+
+
+def _digest_of(tokenizer: Any, compute: Callable[[], str | None]) -> str | None:
+    known = _digests.get(id(tokenizer))
+    if known is not None and known[0]() is tokenizer:
+        return known[1]
+    digest = compute()
+    with contextlib.suppress(TypeError):  # (an object without weak references: computed each time)
+        _digests[id(tokenizer)] = (weakref.ref(tokenizer), digest)
+    return digest
 
 
 class TokenizerAdapter:
@@ -129,6 +147,9 @@ class TiktokenTokenizer(_ThreadedAdapter):
         self.name = f"tiktoken:{encoding.name}"
 
     def _digest(self) -> str | None:
+        return _digest_of(self.encoding, self._compute_digest)
+
+    def _compute_digest(self) -> str | None:
         ranks = getattr(self.encoding, "_mergeable_ranks", None)
         specials = getattr(self.encoding, "_special_tokens", {})
         if ranks is None:  # (not tiktoken's own Encoding: its name is all there is)
@@ -186,8 +207,9 @@ class HFTokenizer(_ThreadedAdapter):
 
     def _digest(self) -> str | None:
         # The whole serialized tokenizer (vocabulary, merges, normalizer, pre-tokenizer, truncation...):
-        # about 0.1 s for cl100k_base, once.
-        return hashlib.sha256(self.backend.to_str().encode()).hexdigest()[:16]
+        # about 0.1 s for cl100k_base, once per tokenizer object (changing its settings later in the
+        # same process goes unnoticed).
+        return _digest_of(self.backend, lambda: hashlib.sha256(self.backend.to_str().encode()).hexdigest()[:16])
 
     def _encode(self, texts: list[str]) -> list[np.ndarray]:
         encode = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
