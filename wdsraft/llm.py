@@ -575,22 +575,21 @@ class ConcatChunk(_SequenceStage):
             held.extend(self._restore(ctx, self._saved))
         # A state taken inside a long document holds a full sequence or more: hand those out first
         # (the input may have nothing more to give).
-        total = yield from self._full_sequences(ctx, sum(len(piece[0]) for piece in held))
+        total = yield from self._full_sequences(ctx, held, sum(len(piece[0]) for piece in held))
         tracker = AddressTracker(ctx)
         for item in src:
             tokens, base = _remaining(item)
             address = tracker.address()
             end = base + len(tokens)
             held.append((tokens, address, base, end, end, _document_position(item, address)))
-            total = yield from self._full_sequences(ctx, total + len(tokens))
+            total = yield from self._full_sequences(ctx, held, total + len(tokens))
         if held and total > 0:
             out = list(held)
             held.clear()
             yield self._emit(ctx, out)
 
-    def _full_sequences(self, ctx: Context, total: int) -> Generator[Any, None, int]:
+    def _full_sequences(self, ctx: Context, held: list[Piece], total: int) -> Generator[Any, None, int]:
         """Hand out every full sequence the held tokens (``total`` of them) make; returns what is left."""
-        held = self._held
         while total >= self.length:
             out, rest = _take(held, self.length)
             held[:] = rest
