@@ -68,6 +68,50 @@ def test_commits_lineage_and_rewind(tmp_path: Path) -> None:
     assert consumed_pairs(later.consumed(0, later.commit()["lineage"])) == {("s.tar", o) for o in (0, 1, 2, 9)}
 
 
+def test_default_run_id_is_shared_by_the_ranks_of_a_job(monkeypatch) -> None:
+    """Every rank must write under one run id (a watermark names runs, not rank files): a per-process
+    id made each rank's commits invisible to the others' checkpoints, which then repeated them."""
+    for variable in ("WDSRAFT_RUN", "SLURM_ARRAY_JOB_ID", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_RESTART_COUNT"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    ids = {wds.Ledger("/x", rank=rank, world_size=2).run for rank in range(2)}
+    assert ids == {"slurm4242-restart0"}
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # a requeued job is another run
+    assert wds.Ledger("/x", rank=0, world_size=2).run == "slurm4242-restart1"
+    monkeypatch.setenv("WDSRAFT_RUN", "mine")
+    assert wds.Ledger("/x", rank=1, world_size=2).run == "mine"
+    for variable in ("WDSRAFT_RUN", "SLURM_JOB_ID"):
+        monkeypatch.delenv(variable)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "abc")
+    assert wds.Ledger("/x", rank=1, world_size=2).run == "torchrunabc-restart0"
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    assert wds.Ledger("/x", rank=0, world_size=1).run  # one process: a fresh id
+    with pytest.raises(LedgerError, match="agree on"):
+        wds.Ledger("/x", rank=0, world_size=2)
+
+
+def test_a_run_id_is_never_reused(tmp_path: Path) -> None:
+    """A second job under the same run id would rewrite that run's file and drop commits that
+    checkpoints point to: refused, and the first file is left as it was."""
+    first = wds.Ledger(str(tmp_path), run="a", rank=0, world_size=1)
+    first.record({"__url__": ["s"], "__ordinal__": [1]}, 0)
+    watermark = first.commit(5)
+    with pytest.raises(LedgerError, match="already has a ledger"):
+        wds.Ledger(str(tmp_path), run="a", rank=0, world_size=1).commit(1)
+    assert consumed_pairs(first.consumed(0, watermark["lineage"])) == {("s", 1)}
+
+
+def test_commit_takes_numpy_and_torch_steps(tmp_path: Path) -> None:
+    import numpy as np
+    import torch
+
+    ledger = wds.Ledger(str(tmp_path), run="a", rank=0, world_size=1)
+    ledger.commit(np.int64(5))
+    ledger.commit(torch.tensor(6))
+    (rank_file,) = ledger.rank_files()
+    assert [(c["commit"], c["step"]) for c in rank_file.commits] == [(1, 5), (2, 6)]
+
+
 def test_token_counts_for_documents_cut_across_sequences(tmp_path: Path) -> None:
     ledger = wds.Ledger(str(tmp_path / "l"), run="r", rank=0, world_size=1)
     ledger.record({"__provenance__": [["s.tar", 4, 0, 0, 100, False], ["s.tar", 5, 0, 0, 9, True]]}, epoch=2)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import operator
 import os
 import posixpath
 import secrets
@@ -128,13 +129,35 @@ def positions_of(batch: Any) -> list[tuple[str, int, int | None, bool]]:
     )
 
 
-def default_run_id() -> str:
-    """A run id that is unique across SLURM array tasks, requeues and plain restarts."""
+def default_run_id(world_size: int = 1) -> str:
+    """A run id that every rank of one job agrees on, and that no other job (array task, requeue,
+    restart) has: ``WDSRAFT_RUN``; else SLURM's job (array job and task) with its restart count;
+    else torchrun's run id with its restart count; else, with torch.distributed initialised, a
+    fresh id drawn by rank 0 and broadcast; else (one process) a fresh id."""
+    given = os.environ.get("WDSRAFT_RUN")
+    if given:
+        return given
     array = os.environ.get("SLURM_ARRAY_JOB_ID")
     slurm = f"{array}_{os.environ.get('SLURM_ARRAY_TASK_ID', '0')}" if array else os.environ.get("SLURM_JOB_ID")
-    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
-    prefix = f"slurm{slurm}-" if slurm else ""
-    return f"{prefix}{stamp}-{secrets.token_hex(3)}"
+    if slurm:
+        return f"slurm{slurm}-restart{os.environ.get('SLURM_RESTART_COUNT', '0')}"
+    elastic = os.environ.get("TORCHELASTIC_RUN_ID")
+    if elastic and elastic != "none":
+        return f"torchrun{elastic}-restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    fresh = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{secrets.token_hex(3)}"
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        chosen = [fresh]
+        dist.broadcast_object_list(chosen, src=0)
+        return str(chosen[0])
+    if world_size > 1:
+        raise LedgerError(
+            "ledger",
+            f"{world_size} ranks need one run id they agree on: set WDSRAFT_RUN (unique per job), pass "
+            "Ledger(run=...), run under SLURM or torchrun, or initialise torch.distributed first",
+        )
+    return fresh
 
 
 class _RankFile:
@@ -209,9 +232,9 @@ class Ledger:
     def __init__(self, path: str, run: str | None = None, rank: int | None = None, world_size: int | None = None):
         detected_rank, detected_world = rank_and_world_size()
         self.path = path.rstrip("/")
-        self.run = run or default_run_id()
         self.rank = detected_rank if rank is None else rank
         self.world_size = detected_world if world_size is None else world_size
+        self.run = run or default_run_id(self.world_size)
         self.lineage: dict[str, int] = {}  # earlier runs -> their last commit this training builds on
         self.commit_number = 0
         self.pending: dict[int, ConsumedSet] = {}  # epoch -> delivered since the last commit
@@ -250,19 +273,28 @@ class Ledger:
 
         Every rank commits (before the checkpoint is written); the commit is atomic.
         """
-        self.commit_number += 1
+        step = None if step is None else operator.index(step)  # (a numpy or torch integer is fine too)
         if self._file is None:
             url = posixpath.join(self.path, f"run-{self.run}", f"rank-{self.rank:05d}{SUFFIX}")
+            if _exists(url):
+                # Rewriting it would drop the commits that checkpoints of that run point to.
+                raise LedgerError(
+                    url, f"run id {self.run!r} already has a ledger for rank {self.rank}: every job needs its own"
+                )
             self._file = _RankFile(url, self.run, self.rank, self.world_size, dict(self.lineage))
-        self._file.commits.append(
-            {
-                "commit": self.commit_number,
-                "step": step,
-                "time": time.time(),
-                "epochs": {str(epoch): consumed.to_plain() for epoch, consumed in self.pending.items() if consumed},
-            }
-        )
-        self._file.save()
+        commit = {
+            "commit": self.commit_number + 1,
+            "step": step,
+            "time": time.time(),
+            "epochs": {str(epoch): consumed.to_plain() for epoch, consumed in self.pending.items() if consumed},
+        }
+        self._file.commits.append(commit)
+        try:
+            self._file.save()
+        except BaseException:
+            self._file.commits.pop()  # (nothing changed: the same commit can be tried again)
+            raise
+        self.commit_number += 1
         self.pending = {}
         return self.watermark()
 
@@ -356,6 +388,20 @@ class Ledger:
         _dataset_of(loader).skip_consumed(consumed, epoch)
         _set_epoch(loader, epoch)
         return "elastic"
+
+
+def _exists(url: str) -> bool:
+    local = local_path(url)
+    if local is not None:
+        return os.path.exists(local)
+    bucket, _, key = url.removeprefix("s3://").partition("/")
+    try:
+        s3_client().head_object(Bucket=bucket, Key=key)
+    except Exception as exn:  # botocore's ClientError: 404 means absent, anything else is a real failure
+        if getattr(exn, "response", {}).get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+            return False
+        raise
+    return True
 
 
 def _epoch_of(loader: Any) -> int:
