@@ -241,6 +241,37 @@ def test_exact_resume_of_an_elastic_run(tmp_path, urls, workers) -> None:
     assert [pairs(batch) for batch in third.track(loader)] == uninterrupted and uninterrupted
 
 
+def test_checkpoint_right_after_an_elastic_resume_names_the_resumed_epoch(tmp_path, urls) -> None:
+    """A checkpoint taken after resume() and before the first batch (a preemption handled at once) must
+    carry the resumed epoch: it carried 0, and the next elastic run repeated that epoch's samples."""
+
+    def pairs(loader, ledger, limit=None):
+        got = []
+        for step, batch in enumerate(ledger.track(loader), 1):
+            got += [(loader.epoch, u, o) for u, o in zip(batch["__url__"], batch["__ordinal__"].tolist(), strict=True)]
+            if step == limit:
+                return got, ledger.checkpoint(loader, step)
+        return got, None
+
+    first = wds.Ledger(str(tmp_path / "l"), run="one", rank=0, world_size=1)
+    loader = _sample_loader(urls, seed=1, batch=4, workers=0)
+    epoch0, _ = pairs(loader, first)
+    epoch1, saved = pairs(loader, first, limit=7)  # (the second iter() is epoch 1)
+    second = wds.Ledger(str(tmp_path / "l"), run="two", rank=0, world_size=1)
+    changed = _sample_loader(urls, seed=2, batch=5, workers=0)
+    assert second.resume(changed, saved) == "elastic"
+    early = second.checkpoint(changed, 0)
+    assert early["ledger"]["epoch"] == 1
+    third = wds.Ledger(str(tmp_path / "l"), run="three", rank=0, world_size=1)
+    again = _sample_loader(urls, seed=3, batch=3, workers=0)
+    assert third.resume(again, early) == "elastic"
+    rest, _ = pairs(again, third)
+    union = Counter(epoch1 + rest)
+    assert {e for e, _, _ in rest} == {1}
+    assert {(u, o) for _, u, o in union} == everything(urls) and max(union.values()) == 1
+    assert len(epoch0) == len(everything(urls))
+
+
 def test_exact_resume_keeps_the_ledger_in_step(tmp_path, urls) -> None:
     ledger = wds.Ledger(str(tmp_path / "l"), run="one", rank=0, world_size=1)
     loader = _sample_loader(urls, seed=3, batch=4)

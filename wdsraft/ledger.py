@@ -352,9 +352,13 @@ class Ledger:
 
     def checkpoint(self, loader: Any, step: int | None = None) -> dict[str, Any]:
         """Commit and return what goes into the training checkpoint: the loader's state and the watermark."""
+        state = loader.state_dict()
         watermark = self.commit(step)
-        watermark["epoch"] = _epoch_of(loader)
-        return {"loader": loader.state_dict(), "ledger": watermark}
+        # The epoch the state is in (or, at an epoch's end, about to start): right before the first batch
+        # after a resume too, when the loader itself has not started an epoch yet.
+        epoch = _epoch_in_state(state)
+        watermark["epoch"] = _epoch_of(loader) if epoch is None else epoch
+        return {"loader": state, "ledger": watermark}
 
     def resume(self, loader: Any, saved: dict[str, Any] | None) -> str:
         """Resume ``loader`` from a checkpoint's ``data`` (what ``checkpoint`` returned).
@@ -402,6 +406,13 @@ def _exists(url: str) -> bool:
             return False
         raise
     return True
+
+
+def _epoch_in_state(state: Any) -> int | None:
+    epoch = state.get("epoch") if isinstance(state, dict) else None
+    if not isinstance(epoch, int) or epoch < 0:
+        return None
+    return epoch if state.get("finished") else epoch + int(state.get("repetition", 0))
 
 
 def _epoch_of(loader: Any) -> int:
