@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -478,6 +479,22 @@ def test_ledger_show_reports_unreadable_files(tmp_path, capsys) -> None:
     (path / "rank-00000.ledger").write_bytes(b"garbage")
     assert _ledger_cli("show", str(tmp_path / "l")) == 1
     assert "rank-00000.ledger" in capsys.readouterr().err
+
+
+def test_ledger_cli_counts_a_document_finished_later_as_whole_and_checks_lineages(tmp_path, capsys) -> None:
+    ledger = wds.Ledger(str(tmp_path / "l"), run="a", rank=0, world_size=1)
+    ledger.record({"__provenance__": [["s.tar", 4, 0, 0, 100, False], ["s.tar", 5, 0, 0, 9, True]]}, 0)
+    ledger.commit(1)
+    ledger.record({"__provenance__": [["s.tar", 4, 0, 100, 180, True]]}, 0)
+    ledger.commit(2)
+    assert _ledger_cli("show", str(tmp_path / "l")) == 0
+    assert "partly" not in capsys.readouterr().out  # (it said "1 documents partly delivered")
+    assert _ledger_cli("export", str(tmp_path / "l")) == 0
+    assert json.loads(capsys.readouterr().out)["epochs"]["0"] == {"s.tar": {"ranges": [[4, 6]]}}
+    for bad in ("a", "a=two", "a:1"):
+        with pytest.raises(SystemExit) as exit_info:
+            _ledger_cli("show", str(tmp_path / "l"), "--lineage", bad)
+        assert exit_info.value.code == 2 and "RUN=COMMIT" in capsys.readouterr().err
 
 
 def test_elastic_resume_with_added_shards(tmp_path, urls, corpus_records) -> None:

@@ -73,6 +73,12 @@ class ConsumedSet:
         for shard, partial in other.tokens.items():
             for ordinal, end in partial.items():
                 self.add_tokens(shard, ordinal, end)
+        # A document delivered in part at one commit and whole at a later one is whole, not also partial.
+        for shard, partial in self.tokens.items():
+            done = self.samples.get(shard)
+            if done:
+                for ordinal in [o for o in partial if o in done]:
+                    del partial[ordinal]
 
     def is_consumed(self, shard: str, ordinal: int) -> bool:
         bitmap = self.samples.get(shard)

@@ -31,7 +31,7 @@ def add_ledger_commands(commands: Any) -> None:
     def common(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("path", help="the ledger directory or s3:// prefix")
         parser.add_argument("--checkpoint", help="a checkpoint (torch or JSON) holding a ledger watermark")
-        parser.add_argument("--lineage", help="the watermark as RUN=COMMIT[,RUN=COMMIT...]")
+        parser.add_argument("--lineage", type=_lineage_argument, help="the watermark as RUN=COMMIT[,RUN=COMMIT...]")
 
     show = actions.add_parser("show", help="consumed counts and fractions per epoch and shard; runs and ranks")
     common(show)
@@ -54,6 +54,16 @@ def add_ledger_commands(commands: Any) -> None:
     export.set_defaults(func=cmd_export)
 
 
+def _lineage_argument(text: str) -> dict[str, int]:
+    lineage = {}
+    for item in filter(None, text.split(",")):
+        run, _, commit = item.partition("=")
+        if not run or not commit.isdigit():
+            raise argparse.ArgumentTypeError(f"{item!r} is not RUN=COMMIT (a run id and a commit number)")
+        lineage[run] = int(commit)
+    return lineage
+
+
 def _rank_files(args: argparse.Namespace) -> tuple[list[_RankFile], dict[str, int]]:
     """The ledger's rank files and the lineage the command works on (given, from a checkpoint, or the latest)."""
     files = list(Ledger(args.path, run="inspect").rank_files())
@@ -62,8 +72,7 @@ def _rank_files(args: argparse.Namespace) -> tuple[list[_RankFile], dict[str, in
 
 def _lineage(args: argparse.Namespace, files: list[_RankFile]) -> dict[str, int]:
     if args.lineage:
-        pairs = [item.split("=", 1) for item in args.lineage.split(",") if item]
-        return {run: int(commit) for run, commit in pairs}
+        return dict(args.lineage)
     if args.checkpoint:
         return _watermark_from_checkpoint(args.checkpoint)["lineage"]
     lineage: dict[str, int] = {}
@@ -198,7 +207,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         for shard, bitmap in sorted(consumed.samples.items()):
             shards[shard] = {"ranges": _ranges(list(bitmap))}
         for shard, tokens in consumed.tokens.items():
-            shards.setdefault(shard, {"ranges": []})["tokens"] = {str(o): n for o, n in sorted(tokens.items())}
+            if tokens:
+                shards.setdefault(shard, {"ranges": []})["tokens"] = {str(o): n for o, n in sorted(tokens.items())}
         out["epochs"][str(epoch)] = shards
     print(json.dumps(out, indent=1))
     return 0
