@@ -91,6 +91,34 @@ def test_default_run_id_is_shared_by_the_ranks_of_a_job(monkeypatch) -> None:
         wds.Ledger("/x", rank=0, world_size=2)
 
 
+def test_watermarks_count_other_ranks_by_step_not_by_commit_number(tmp_path: Path) -> None:
+    """Ranks number their own commits: one that ran out of data commits twice at step 5 (periodic and
+    final checkpoints) while another commits at 5 and at 8. A checkpoint of the first at step 5 must not
+    count the other's step-8 commit (it did, under commit number 2, and those samples were lost)."""
+    busy = wds.Ledger(str(tmp_path), run="r", rank=0, world_size=2)
+    done = wds.Ledger(str(tmp_path), run="r", rank=1, world_size=2)
+    busy.record({"__url__": ["a"] * 2, "__ordinal__": [0, 1]}, 0)
+    busy.commit(5)
+    done.record({"__url__": ["b"], "__ordinal__": [0]}, 0)
+    done.commit(5)
+    watermark = done.commit(5)  # its final checkpoint, same step
+    busy.record({"__url__": ["a"], "__ordinal__": [2]}, 0)
+    busy.commit(8)
+    assert watermark["lineage"] == {"r": 2} and watermark["steps"] == {"r": 5}
+    counted = consumed_pairs(done.consumed(0, watermark["lineage"], watermark["steps"]))
+    assert counted == {("a", 0), ("a", 1), ("b", 0)}
+
+
+def test_a_rank_at_the_end_of_its_epoch_checkpoints_that_epoch(tmp_path, urls) -> None:
+    """A rank whose share of the epoch ran out checkpoints the epoch it finished, not the next: other
+    ranks may still be in it, and an elastic resume must restart the same epoch on every rank."""
+    ledger = wds.Ledger(str(tmp_path / "l"), run="one", rank=0, world_size=1)
+    loader = _sample_loader(urls, seed=1, batch=4, workers=0)
+    for _ in ledger.track(loader):
+        pass
+    assert ledger.checkpoint(loader, 30)["ledger"]["epoch"] == 0
+
+
 def test_a_run_id_is_never_reused(tmp_path: Path) -> None:
     """A second job under the same run id would rewrite that run's file and drop commits that
     checkpoints point to: refused, and the first file is left as it was."""

@@ -242,6 +242,8 @@ class Ledger:
         self.world_size = detected_world if world_size is None else world_size
         self.run = run or default_run_id(self.world_size)
         self.lineage: dict[str, int] = {}  # earlier runs -> their last commit this training builds on
+        self.lineage_steps: dict[str, int | None] = {}  # earlier runs -> the step of that commit
+        self.last_step: int | None = None
         self.commit_number = 0
         self.pending: dict[int, ConsumedSet] = {}  # epoch -> delivered since the last commit
         self._file: _RankFile | None = None
@@ -301,14 +303,15 @@ class Ledger:
             self._file.commits.pop()  # (nothing changed: the same commit can be tried again)
             raise
         self.commit_number += 1
+        self.last_step = step
         self.pending = {}
         return self.watermark()
 
     def watermark(self, epoch: int | None = None) -> dict[str, Any]:
-        lineage = dict(self.lineage)
+        lineage, steps = dict(self.lineage), dict(self.lineage_steps)
         if self.commit_number:
-            lineage[self.run] = self.commit_number
-        return {"ledger": self.path, "lineage": lineage, "epoch": epoch, "skip": self.skip}
+            lineage[self.run], steps[self.run] = self.commit_number, self.last_step
+        return {"ledger": self.path, "lineage": lineage, "steps": steps, "epoch": epoch, "skip": self.skip}
 
     # -- reading -----------------------------------------------------------------------------------
 
@@ -339,18 +342,19 @@ class Ledger:
             with gopen(url, "rb") as stream:
                 yield _RankFile.parse(url, stream.read())
 
-    def consumed(self, epoch: int, lineage: dict[str, int] | None = None) -> ConsumedSet:
-        """The merged consumed set of an epoch, counting only the commits within ``lineage``
-        (default: this ledger's own, including its commits so far)."""
-        lineage = self.watermark()["lineage"] if lineage is None else lineage
+    def consumed(
+        self, epoch: int, lineage: dict[str, int] | None = None, steps: dict[str, int | None] | None = None
+    ) -> ConsumedSet:
+        """The merged consumed set of an epoch, counting only the commits within ``lineage`` and
+        ``steps`` (default: this ledger's own watermark, including its commits so far)."""
+        if lineage is None:
+            mark = self.watermark()
+            lineage, steps = mark["lineage"], mark["steps"]
         merged = ConsumedSet()
         for rank_file in self.rank_files():
-            last = lineage.get(rank_file.run)
-            if last is None:
-                continue
             for commit in rank_file.commits:
                 record = commit["epochs"].get(str(epoch))
-                if commit["commit"] <= last and record:
+                if record and counted(commit, rank_file.run, lineage, steps):
                     merged.update(ConsumedSet.from_plain(record))
         return merged
 
@@ -360,8 +364,8 @@ class Ledger:
         """Commit and return what goes into the training checkpoint: the loader's state and the watermark."""
         state = loader.state_dict()
         watermark = self.commit(step)
-        # The epoch the state is in (or, at an epoch's end, about to start): right before the first batch
-        # after a resume too, when the loader itself has not started an epoch yet.
+        # The epoch the state is in, also right before the first batch after a resume (when the loader has
+        # not started one yet). At an epoch's end, that epoch: other ranks may still be in it.
         epoch = _epoch_in_state(state)
         watermark["epoch"] = _epoch_of(loader) if epoch is None else epoch
         return {"loader": state, "ledger": watermark}
@@ -380,24 +384,40 @@ class Ledger:
         if watermark["ledger"].rstrip("/") != self.path:
             raise LedgerError(self.path, f"the checkpoint's ledger is {watermark['ledger']}, not this one")
         self.lineage = dict(watermark["lineage"])
+        self.lineage_steps = dict(watermark.get("steps") or {})
         if loader.matches(saved["loader"]):
             skip = watermark.get("skip")
             if skip is not None:  # the saved run was itself elastic: it skipped this set, so must we
                 self.skip = skip
-                _dataset_of(loader).skip_consumed(self.consumed(skip["epoch"], skip["lineage"]), skip["epoch"])
+                consumed = self.consumed(skip["epoch"], skip["lineage"], skip.get("steps"))
+                _dataset_of(loader).skip_consumed(consumed, skip["epoch"])
             loader.load_state_dict(saved["loader"])
             return "exact"
         epoch = watermark["epoch"] or 0
-        consumed = self.consumed(epoch, self.lineage)
+        consumed = self.consumed(epoch, self.lineage, self.lineage_steps)
         logger.warning(
             "configuration changed: elastic resume of epoch %d, skipping %d consumed samples",
             epoch,
             consumed.count(),
         )
-        self.skip = {"epoch": epoch, "lineage": dict(self.lineage)}
+        self.skip = {"epoch": epoch, "lineage": dict(self.lineage), "steps": dict(self.lineage_steps)}
         _dataset_of(loader).skip_consumed(consumed, epoch)
         _set_epoch(loader, epoch)
         return "elastic"
+
+
+def counted(
+    commit: dict[str, Any], run: str, lineage: dict[str, int], steps: dict[str, int | None] | None = None
+) -> bool:
+    """Whether a commit of some rank of ``run`` is within a watermark. Each rank numbers its own
+    commits, and ranks need not commit equally often (one may commit twice at a step, another not
+    at all): where the watermark has the step of the run's last commit, commits count by step."""
+    if run not in lineage:
+        return False
+    step = (steps or {}).get(run)
+    if step is not None and commit.get("step") is not None:
+        return bool(commit["step"] <= step)
+    return bool(commit["commit"] <= lineage[run])
 
 
 def _exists(url: str) -> bool:
@@ -418,7 +438,9 @@ def _epoch_in_state(state: Any) -> int | None:
     epoch = state.get("epoch") if isinstance(state, dict) else None
     if not isinstance(epoch, int) or epoch < 0:
         return None
-    return epoch if state.get("finished") else epoch + int(state.get("repetition", 0))
+    if state.get("finished"):  # (a finished state names the epoch after it)
+        return max(epoch - 1, 0)
+    return epoch + int(state.get("repetition", 0))
 
 
 def _epoch_of(loader: Any) -> int:

@@ -11,7 +11,7 @@ from typing import Any
 
 from .errors import IndexFormatError
 from .index import Manifest, ShardIndex
-from .ledger import ConsumedSet, Ledger, LedgerError, _RankFile
+from .ledger import ConsumedSet, Ledger, LedgerError, _RankFile, counted
 from .storage import remove
 
 
@@ -64,22 +64,26 @@ def _lineage_argument(text: str) -> dict[str, int]:
     return lineage
 
 
-def _rank_files(args: argparse.Namespace) -> tuple[list[_RankFile], dict[str, int]]:
-    """The ledger's rank files and the lineage the command works on (given, from a checkpoint, or the latest)."""
-    files = list(Ledger(args.path, run="inspect").rank_files())
-    return files, _lineage(args, files)
+Watermark = tuple[dict[str, int], dict[str, Any]]  # (run -> last commit, run -> step of that commit)
 
 
-def _lineage(args: argparse.Namespace, files: list[_RankFile]) -> dict[str, int]:
+def _rank_files(args: argparse.Namespace) -> tuple[list[_RankFile], Watermark]:
+    """The ledger's rank files and the watermark the command works on (given, from a checkpoint, or the latest)."""
+    files = list(Ledger(args.path, run="inspect", rank=0, world_size=1).rank_files())
+    return files, _watermark(args, files)
+
+
+def _watermark(args: argparse.Namespace, files: list[_RankFile]) -> Watermark:
     if args.lineage:
-        return dict(args.lineage)
+        return dict(args.lineage), {}
     if args.checkpoint:
-        return _watermark_from_checkpoint(args.checkpoint)["lineage"]
+        found = _watermark_from_checkpoint(args.checkpoint)
+        return found["lineage"], found.get("steps") or {}
     lineage: dict[str, int] = {}
     for rank_file in files:
         for commit in rank_file.commits:
             lineage[rank_file.run] = max(lineage.get(rank_file.run, 0), commit["commit"])
-    return lineage
+    return lineage, {}
 
 
 def _watermark_from_checkpoint(path: str) -> dict[str, Any]:
@@ -107,14 +111,11 @@ def _find_watermark(record: Any) -> dict[str, Any] | None:
     return None
 
 
-def _epochs(files: list[_RankFile], lineage: dict[str, int]) -> dict[int, ConsumedSet]:
+def _epochs(files: list[_RankFile], watermark: Watermark) -> dict[int, ConsumedSet]:
     epochs: dict[int, ConsumedSet] = defaultdict(ConsumedSet)
     for rank_file in files:
-        last = lineage.get(rank_file.run)
-        if last is None:
-            continue
         for commit in rank_file.commits:
-            if commit["commit"] <= last:
+            if counted(commit, rank_file.run, *watermark):
                 for epoch, record in commit["epochs"].items():
                     epochs[int(epoch)].update(ConsumedSet.from_plain(record))
     return dict(sorted(epochs.items()))
@@ -132,7 +133,8 @@ def _sizes(manifest_url: str | None, shards: list[str]) -> dict[str, int]:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    files, lineage = _rank_files(args)
+    files, watermark = _rank_files(args)
+    lineage, at_steps = watermark
     if not files:
         print(f"{args.path}: no ledger files")
         return 1
@@ -143,13 +145,16 @@ def cmd_show(args: argparse.Namespace) -> int:
     for run, rank_files in runs.items():
         commits = max(len(f.commits) for f in rank_files)
         steps = [c["step"] for f in rank_files for c in f.commits if c["step"] is not None]
-        status = f"counted up to commit {lineage[run]}" if run in lineage else "outside the lineage (ignored)"
+        status = "outside the lineage (ignored)"
+        if run in lineage:
+            step = at_steps.get(run)
+            status = f"counted up to step {step}" if step is not None else f"counted up to commit {lineage[run]}"
         last_step = max(steps) if steps else "-"
         print(
             f"  {run}: {len(rank_files)} ranks (world size {rank_files[0].world_size}), {commits} commits, "
             f"last step {last_step}; {status}"
         )
-    epochs = _epochs(files, lineage)
+    epochs = _epochs(files, watermark)
     sizes: dict[str, int] = {}
     if args.manifest or args.shards:  # (without a manifest: one index read per shard, once, only when shown)
         sizes = _sizes(args.manifest, sorted({shard for consumed in epochs.values() for shard in consumed.samples}))
@@ -170,18 +175,18 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
-    files, lineage = _rank_files(args)
+    files, watermark = _rank_files(args)
     if os.path.exists(args.output):
         raise LedgerError(args.output, "the output ledger exists already")
     merged = Ledger(args.output, run="merged", rank=0, world_size=1)
-    merged.pending = _epochs(files, lineage)
-    watermark = merged.commit()
-    print(json.dumps(watermark))
+    merged.pending = _epochs(files, watermark)
+    print(json.dumps(merged.commit()))
     return 0
 
 
 def cmd_rewind(args: argparse.Namespace) -> int:
-    files, lineage = _rank_files(args)
+    files, watermark = _rank_files(args)
+    lineage = watermark[0]
     for rank_file in files:
         if rank_file.run not in lineage:
             if args.prune:
@@ -190,7 +195,7 @@ def cmd_rewind(args: argparse.Namespace) -> int:
             else:
                 print(f"kept {rank_file.url} (run outside the lineage; --prune removes it)")
             continue
-        kept = [c for c in rank_file.commits if c["commit"] <= lineage[rank_file.run]]
+        kept = [c for c in rank_file.commits if counted(c, rank_file.run, *watermark)]
         if len(kept) != len(rank_file.commits):
             dropped = len(rank_file.commits) - len(kept)
             rank_file.commits = kept
@@ -200,9 +205,9 @@ def cmd_rewind(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    files, lineage = _rank_files(args)
-    out: dict[str, Any] = {"lineage": lineage, "epochs": {}}
-    for epoch, consumed in _epochs(files, lineage).items():
+    files, watermark = _rank_files(args)
+    out: dict[str, Any] = {"lineage": watermark[0], "epochs": {}}
+    for epoch, consumed in _epochs(files, watermark).items():
         shards: dict[str, dict[str, Any]] = {}
         for shard, bitmap in sorted(consumed.samples.items()):
             shards[shard] = {"ranges": _ranges(list(bitmap))}
