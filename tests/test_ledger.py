@@ -215,6 +215,29 @@ def _sample_loader(urls, seed: int, batch: int, workers: int = 0):
     return wds.WebLoader(dataset, batch_size=None, num_workers=workers)
 
 
+@pytest.mark.parametrize("stop", [15, 30, 40])  # mid epoch 0, its last batch, mid epoch 1 (30 per epoch)
+def test_elastic_resume_of_a_loader_that_repeats(tmp_path, urls, stop) -> None:
+    """repeat(2) on the WebLoader: an elastic resume goes on counting epochs as the saved run did (it ran
+    two more epochs from the resumed one, or stopped after an empty resumed epoch)."""
+    ledger = wds.Ledger(str(tmp_path / "l"), run="one", rank=0, world_size=1)
+    loader = _sample_loader(urls, seed=1, batch=4).repeat(2)
+    got: Counter = Counter()
+    for step, batch in enumerate(ledger.track(loader), 1):
+        got.update((loader.epoch, u, o) for u, o in zip(batch["__url__"], batch["__ordinal__"].tolist(), strict=True))
+        if step == stop:
+            saved = ledger.checkpoint(loader, step)
+            break
+    again = wds.Ledger(str(tmp_path / "l"), run="two", rank=0, world_size=1)
+    changed = _sample_loader(urls, seed=2, batch=5).repeat(2)
+    assert again.resume(changed, saved) == "elastic"
+    for batch in again.track(changed):
+        got.update((changed.epoch, u, o) for u, o in zip(batch["__url__"], batch["__ordinal__"].tolist(), strict=True))
+    assert {epoch for epoch, _, _ in got} == {0, 1}
+    for epoch in (0, 1):
+        assert {(u, o) for e, u, o in got if e == epoch} == everything(urls)
+    assert max(got.values()) == 1
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_elastic_resume_after_seed_and_batch_change(tmp_path, urls, workers) -> None:
     ledger = wds.Ledger(str(tmp_path / "l"), run="one", rank=0, world_size=1)

@@ -447,6 +447,7 @@ class Ledger:
         self.skip = {"epoch": epoch, "lineage": dict(self.lineage), "steps": dict(self.lineage_steps)}
         _dataset_of(loader).skip_consumed(consumed, epoch)
         _set_epoch(loader, epoch)
+        _continue_counters(loader, saved["loader"], epoch)
         return "elastic"
 
 
@@ -498,6 +499,23 @@ def _dataset_of(loader: Any) -> Any:
     if not hasattr(dataset, "skip_consumed"):
         raise LedgerError("ledger", f"{type(dataset).__name__} cannot skip consumed samples (use a wdsraft pipeline)")
     return dataset
+
+
+def _continue_counters(loader: Any, state: Any, epoch: int) -> None:
+    """A loader that repeats (``repeat(n)``/``with_epoch`` on it) goes on counting its epochs as the
+    saved run did: it would otherwise run ``n`` more epochs from the resumed one, or stop after an
+    empty resumed epoch."""
+    continue_iteration = getattr(loader, "continue_iteration", None)
+    if continue_iteration is None or getattr(loader, "repetitions", 1) == 1 or not isinstance(state, dict):
+        return
+    first, repetition = state.get("epoch"), state.get("repetition")
+    if (
+        isinstance(first, int)
+        and isinstance(repetition, int)
+        and not state.get("finished")
+        and first + repetition == epoch
+    ):
+        continue_iteration(first, repetition, int(state.get("yielded", 0)))
 
 
 def _set_epoch(loader: Any, epoch: int) -> None:

@@ -213,6 +213,7 @@ class DataPipeline(IterableDataset, PipelineStage):
         self.nsamples = -1
         self.epoch = -1  # the epoch of the current (or last) iteration; set_epoch() sets the next one
         self._next_epoch: int | None = None
+        self._continued: dict[str, int] | None = None
         self._pending: dict[str, Any] | None = None
         self._skip: tuple[int, Any] | None = None  # (epoch, consumed set) from a ledger
         # The iteration in progress, weakly: a strong reference would make a cycle through its generator,
@@ -286,6 +287,12 @@ class DataPipeline(IterableDataset, PipelineStage):
         """
         self._next_epoch = epoch
 
+    def continue_iteration(self, first_epoch: int, repetition: int, yielded: int = 0) -> None:
+        """Make the next iteration go on with an earlier run's ``repeat``/``with_epoch`` counters, on fresh
+        stages (a ledger's elastic resume: the configuration changed, the epochs still count as they did).
+        Its first pass may come out empty (everything in it consumed) without ending the repetitions."""
+        self._continued = {"epoch": first_epoch, "repetition": repetition, "yielded": yielded}
+
     def skip_consumed(self, consumed: Any, epoch: int) -> None:
         """Skip the positions a ledger says were consumed in ``epoch`` (an elastic resume): before any
         shuffling, through the shard index, without reading them."""
@@ -313,7 +320,10 @@ class DataPipeline(IterableDataset, PipelineStage):
         else:
             first_epoch = self._next_epoch if self._next_epoch is not None else self.epoch + 1
         self._next_epoch = None
-        iteration = _Iteration(self, info, first_epoch, pending)
+        continued, self._continued = self._continued, None
+        if pending is None and continued is not None:
+            first_epoch = continued["epoch"]
+        iteration = _Iteration(self, info, first_epoch, pending, continued)
         self._live = weakref.ref(iteration)
         # An iterator dropped before it ran leaves the loaded state in force.
         self._last_state = copy.deepcopy(pending) if pending is not None else None
@@ -524,12 +534,21 @@ class _Pass:
 class _Iteration:
     """A whole ``iter()`` of a pipeline: its passes (one per epoch) and the ``with_epoch`` window."""
 
-    def __init__(self, pipeline: DataPipeline, info: WorkerInfo, first_epoch: int, pending: dict[str, Any] | None):
+    def __init__(
+        self,
+        pipeline: DataPipeline,
+        info: WorkerInfo,
+        first_epoch: int,
+        pending: dict[str, Any] | None,
+        continued: dict[str, int] | None = None,
+    ):
         self.pipeline = pipeline
         self.info = info
         self.first_epoch = first_epoch
-        self.repetition = pending["repetition"] if pending else 0
-        self.yielded = pending["yielded"] if pending else 0  # items handed out in this iter() (with_epoch)
+        counters = pending or continued
+        self.repetition = counters["repetition"] if counters else 0
+        self.yielded = counters["yielded"] if counters else 0  # items handed out in this iter() (with_epoch)
+        self.may_start_empty = pending is None and continued is not None
         self.pass_count = pending["pass_count"] if pending else 0  # items handed out in the current pass
         self.stage_states = pending["stages"] if pending else None
         self.finished = False
@@ -577,7 +596,10 @@ class _Iteration:
                     break
             if window_full:
                 break
-            empty = self.pass_count == 0  # as webdataset: a pass without data ends the repetitions
+            # As webdataset: a pass without data ends the repetitions (but not a continued pass whose data
+            # was all consumed before).
+            empty = self.pass_count == 0 and not self.may_start_empty
+            self.may_start_empty = False
             self.repetition += 1
             self.pass_count = 0
             self.current = None
