@@ -393,6 +393,18 @@ def test_sequence_batches_from_workers_regroup_in_the_training_process(urls, cl1
         assert resume(make, states[k], "msgpack", seed=k) == stream[k:], k
 
 
+def test_bos_eos_and_packing_after_a_webloader_of_tokenized_documents(urls, cl100k) -> None:
+    """Documents tokenized in the dataset reach stages after a WebLoader as torch tensors (DataLoader's
+    conversion): BOS/EOS and packing there give what they give in the dataset."""
+    tokenized = wds.WebDataset(urls, shardshuffle=False).tokenize(cl100k, batch_size=4)
+    after = wds.WebLoader(tokenized, batch_size=None, num_workers=0).ensure_bos_eos(cl100k).concat_chunk(LENGTH)
+    inside = documents(urls, cl100k, batch_size=4).ensure_bos_eos(cl100k).concat_chunk(LENGTH)
+    got, expected = list(after), list(inside)
+    assert len(got) == len(expected) > 5
+    for a, b in zip(got, expected, strict=True):
+        assert torch.equal(a["input_ids"], b["input_ids"]) and a["__provenance__"] == b["__provenance__"]
+
+
 def test_sequence_state_is_positions_not_tokens(urls, cl100k) -> None:
     pipeline = documents(urls, cl100k).concat_chunk(LENGTH)
     iterator = iter(pipeline)

@@ -413,7 +413,7 @@ class ensure_bos_eos:
 
     def __call__(self, src: Iterator[Any]) -> Iterator[Any]:
         for item in src:
-            item[TOKENS] = self.add(item[TOKENS])
+            item[TOKENS] = self.add(_token_array(item[TOKENS]))
             yield item
 
 
@@ -429,8 +429,13 @@ def _remaining(item: dict[str, Any]) -> tuple[np.ndarray, int]:
     where it stopped; token ranges always count in the whole document (BOS/EOS included).
     """
     start = item.get(TOKEN_START, 0)
-    tokens = item[TOKENS]
+    tokens = _token_array(item[TOKENS])
     return (tokens[start:], start) if start else (tokens, 0)
+
+
+def _token_array(tokens: Any) -> np.ndarray:
+    """Token ids as numpy (after a WebLoader, DataLoader's conversion has made them a torch tensor)."""
+    return tokens.numpy() if isinstance(tokens, torch.Tensor) else tokens
 
 
 def _position(address: Address | None) -> list[Any]:
