@@ -238,6 +238,23 @@ def test_elastic_resume_of_a_loader_that_repeats(tmp_path, urls, stop) -> None:
     assert max(got.values()) == 1
 
 
+def test_elastic_resume_warns_when_no_recorded_shard_matches(tmp_path, urls, caplog, monkeypatch) -> None:
+    """Shards are matched by URL as written: the same files named relatively match nothing (their samples
+    would be read again), which the resume says instead of only reporting what it skips."""
+    ledger = wds.Ledger(str(tmp_path / "l"), run="one", rank=0, world_size=1)
+    loader = _sample_loader(urls, seed=1, batch=4)
+    for step, _ in enumerate(ledger.track(loader), 1):
+        if step == 5:
+            saved = ledger.checkpoint(loader, step)
+            break
+    monkeypatch.chdir(Path(urls[0]).parent)
+    relative = [Path(url).name for url in urls]
+    again = wds.Ledger(str(tmp_path / "l"), run="two", rank=0, world_size=1)
+    with caplog.at_level("WARNING", logger="wdsraft.ledger"):
+        assert again.resume(_sample_loader(relative, seed=2, batch=5), saved) == "elastic"
+    assert "matched by URL as written" in caplog.text
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_elastic_resume_after_seed_and_batch_change(tmp_path, urls, workers) -> None:
     ledger = wds.Ledger(str(tmp_path / "l"), run="one", rank=0, world_size=1)

@@ -444,6 +444,7 @@ class Ledger:
             epoch,
             consumed.count(),
         )
+        _warn_about_unknown_shards(_dataset_of(loader), consumed)
         self.skip = {"epoch": epoch, "lineage": dict(self.lineage), "steps": dict(self.lineage_steps)}
         _dataset_of(loader).skip_consumed(consumed, epoch)
         _set_epoch(loader, epoch)
@@ -499,6 +500,25 @@ def _dataset_of(loader: Any) -> Any:
     if not hasattr(dataset, "skip_consumed"):
         raise LedgerError("ledger", f"{type(dataset).__name__} cannot skip consumed samples (use a wdsraft pipeline)")
     return dataset
+
+
+def _warn_about_unknown_shards(dataset: Any, consumed: ConsumedSet) -> None:
+    """Shards are known by their URL as written: the same files named another way (a relative path,
+    another mount point) match nothing, and their samples would be read again."""
+    stages = getattr(dataset, "pipeline", [])
+    urls = next((set(stage.urls) for stage in stages if isinstance(getattr(stage, "urls", None), list)), None)
+    recorded = set(consumed.samples) | set(consumed.tokens)
+    if urls is None or not recorded or recorded & urls:
+        return
+    example = sorted(recorded)[0]
+    logger.warning(
+        "none of the %d shards the ledger recorded (e.g. %s) is among this pipeline's shard URLs (e.g. %s): "
+        "shards are matched by URL as written, so their consumed samples will be read again; name the shards "
+        "as the earlier runs did",
+        len(recorded),
+        example,
+        sorted(urls)[0] if urls else "-",
+    )
 
 
 def _continue_counters(loader: Any, state: Any, epoch: int) -> None:
