@@ -72,13 +72,23 @@ def test_commits_lineage_and_rewind(tmp_path: Path) -> None:
 def test_default_run_id_is_shared_by_the_ranks_of_a_job(monkeypatch) -> None:
     """Every rank must write under one run id (a watermark names runs, not rank files): a per-process
     id made each rank's commits invisible to the others' checkpoints, which then repeated them."""
-    for variable in ("WDSRAFT_RUN", "SLURM_ARRAY_JOB_ID", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_RESTART_COUNT"):
+    for variable in (
+        "WDSRAFT_RUN",
+        "SLURM_ARRAY_JOB_ID",
+        "SLURM_JOB_ID",
+        "SLURM_STEP_ID",
+        "TORCHELASTIC_RUN_ID",
+        "SLURM_RESTART_COUNT",
+    ):
         monkeypatch.delenv(variable, raising=False)
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     ids = {wds.Ledger("/x", rank=rank, world_size=2).run for rank in range(2)}
     assert ids == {"slurm4242-restart0"}
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # a requeued job is another run
     assert wds.Ledger("/x", rank=0, world_size=2).run == "slurm4242-restart1"
+    monkeypatch.setenv("SLURM_STEP_ID", "3")  # and so is another srun step of the job
+    assert wds.Ledger("/x", rank=0, world_size=2).run == "slurm4242.3-restart1"
+    monkeypatch.delenv("SLURM_STEP_ID")
     monkeypatch.setenv("WDSRAFT_RUN", "mine")
     assert wds.Ledger("/x", rank=1, world_size=2).run == "mine"
     for variable in ("WDSRAFT_RUN", "SLURM_JOB_ID"):

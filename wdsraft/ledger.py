@@ -179,19 +179,25 @@ class _PieceOrder:
 
 def default_run_id(world_size: int = 1) -> str:
     """A run id that every rank of one job agrees on, and that no other job (array task, requeue,
-    restart) has: ``WDSRAFT_RUN``; else SLURM's job (array job and task) with its restart count;
-    else torchrun's run id with its restart count; else, with torch.distributed initialised, a
-    fresh id drawn by rank 0 and broadcast; else (one process) a fresh id."""
+    job step, relaunch) has: ``WDSRAFT_RUN``; else what SLURM (job or array task, step, restart
+    count) and torchrun (run id, restart count) say, both where both run; else, with
+    torch.distributed initialised, a fresh id drawn by rank 0 and broadcast; else (one process)
+    a fresh id."""
     given = os.environ.get("WDSRAFT_RUN")
     if given:
         return given
-    array = os.environ.get("SLURM_ARRAY_JOB_ID")
-    slurm = f"{array}_{os.environ.get('SLURM_ARRAY_TASK_ID', '0')}" if array else os.environ.get("SLURM_JOB_ID")
+    env = os.environ
+    parts = []
+    array = env.get("SLURM_ARRAY_JOB_ID")
+    slurm = f"{array}_{env.get('SLURM_ARRAY_TASK_ID', '0')}" if array else env.get("SLURM_JOB_ID")
     if slurm:
-        return f"slurm{slurm}-restart{os.environ.get('SLURM_RESTART_COUNT', '0')}"
-    elastic = os.environ.get("TORCHELASTIC_RUN_ID")
+        step = f".{env['SLURM_STEP_ID']}" if env.get("SLURM_STEP_ID") else ""
+        parts.append(f"slurm{slurm}{step}-restart{env.get('SLURM_RESTART_COUNT', '0')}")
+    elastic = env.get("TORCHELASTIC_RUN_ID")
     if elastic and elastic != "none":
-        return f"torchrun{elastic}-restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        parts.append(f"torchrun{elastic}-restart{env.get('TORCHELASTIC_RESTART_COUNT', '0')}")
+    if parts:
+        return "-".join(parts)
     fresh = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{secrets.token_hex(3)}"
     import torch.distributed as dist
 
