@@ -173,6 +173,11 @@ def test_input_names_are_unique_and_tar_safe(tmp_path: Path) -> None:
     assert [i.compression for i in inputs] == [None, None, None, "gzip", "zstd"]
     with pytest.raises(ConvertError, match="given twice"):
         expand_inputs([str(tmp_path / "a" / "x.jsonl"), str(tmp_path / "a" / "*.jsonl")])
+    # The same file spelled another way would be converted twice, every record duplicated.
+    spelled = str(tmp_path / "a" / "x.jsonl")
+    for other in (str(tmp_path / "a" / "." / "x.jsonl"), str(tmp_path) + "//a/x.jsonl", f"file://{spelled}"):
+        with pytest.raises(ConvertError, match="given twice"):
+            expand_inputs([spelled, other])
     with pytest.raises(ConvertError, match="no input matches"):
         expand_inputs([str(tmp_path / "c" / "*.jsonl")])
 
@@ -655,3 +660,21 @@ def test_multi_member_gzip_size_estimate(tmp_path: Path) -> None:
         out.write(gzip.compress(b""))
     estimate = InputFile(str(path), path.stat().st_size, "gzip").estimated_bytes()
     assert path.stat().st_size < estimate < 100 * path.stat().st_size  # not 4 GiB
+
+
+def test_finishing_removes_only_what_it_wrote_in_the_work_directory(tmp_path: Path) -> None:
+    """A work directory may be shared scratch, or the output itself: finishing removes the conversion's own
+    files only (it removed the whole directory, with the output or unrelated files in it). A rerun after a
+    kill between the manifest and that removal finishes it."""
+    source = write_jsonl(tmp_path / "in" / "a.jsonl", synthetic(40, seed=1))
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    (scratch / "results.csv").write_text("someone else's")
+    run([source], tmp_path / "out", workdir=str(scratch))
+    assert [p.name for p in scratch.iterdir()] == ["results.csv"]
+    run([source], tmp_path / "same", workdir=str(tmp_path / "same"))
+    assert len(read_samples(tmp_path / "same")) == 40 and not (tmp_path / "same" / "scatter").exists()
+    run([source], tmp_path / "kept", workdir=str(tmp_path / "work"), keep_workdir=True)  # (stands for the kill)
+    assert (tmp_path / "work" / "plan.json").exists()
+    run([source], tmp_path / "kept", workdir=str(tmp_path / "work"))
+    assert not (tmp_path / "work").exists()

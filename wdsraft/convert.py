@@ -398,11 +398,14 @@ def expand_inputs(specs: Sequence[str]) -> list[InputFile]:
                     if not os.path.isfile(path):
                         raise ConvertError(f"input not found: {item}")
                     found.append((item, os.path.getsize(path)))
-    seen: set[str] = set()
+    seen: dict[str, str] = {}
     for url, _ in found:
-        if url in seen:
-            raise ConvertError(f"input given twice: {url}")
-        seen.add(url)
+        # The same file spelled two ways (./a, a, /abs/a, file://...) would be converted twice.
+        identity = url if is_s3(url) else os.path.realpath(local_path(url) or url)
+        if identity in seen:
+            twice = url if seen[identity] == url else f"{url} (the same file as {seen[identity]})"
+            raise ConvertError(f"input given twice: {twice}")
+        seen[identity] = url
     inputs = [InputFile(url, size, _split_suffixes(url)[1]) for url, size in found]
     _name_inputs(inputs)
     return inputs
@@ -876,6 +879,18 @@ class WorkDir:
 
     def staging(self, bucket: int) -> str:
         return os.path.join(self.root, "staging", f"bucket-{bucket:06d}")
+
+    def remove(self) -> None:
+        """Remove what a conversion put here, and the directory if that leaves it empty: never anything
+        else (a work directory may be a shared scratch directory, or the output's own)."""
+        for part in ("scatter", "write", "staging"):
+            shutil.rmtree(os.path.join(self.root, part), ignore_errors=True)
+        for path in (self.plan, self.finalize_lock):
+            self.clear_leftovers(path)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        with contextlib.suppress(OSError):  # (not empty: other files were there before)
+            os.rmdir(self.root)
 
     @staticmethod
     def read_json(path: str) -> dict[str, Any] | None:
@@ -1901,6 +1916,8 @@ class Converter:
         finished = self._finished_manifest(wanted)
         if finished is not None:
             self._report_from_manifest(finished)
+            if not options.keep_workdir and os.path.isdir(self.workdir.root):
+                self.workdir.remove()  # (killed after the manifest, before the work directory was removed)
             return None
         if plan is not None:
             return plan
@@ -2250,7 +2267,7 @@ class Finalizer:
         report.rejects_url = f"{plan.output}/{REJECTS_NAME}" if rejects else None
         logger.info("finalized %s: %d shards, %d samples", manifest_url, len(shards), manifest.num_samples)
         if not self.options.keep_workdir:
-            shutil.rmtree(self.workdir.root, ignore_errors=True)
+            self.workdir.remove()
 
     def _check_shards(self, shards: list[dict[str, Any]]) -> None:
         output = self.plan.output
