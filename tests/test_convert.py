@@ -678,3 +678,15 @@ def test_finishing_removes_only_what_it_wrote_in_the_work_directory(tmp_path: Pa
     assert (tmp_path / "work" / "plan.json").exists()
     run([source], tmp_path / "kept", workdir=str(tmp_path / "work"))
     assert not (tmp_path / "work").exists()
+
+
+def test_a_resubmitted_finalize_of_a_finished_conversion_is_a_no_op(tmp_path: Path) -> None:
+    """write/finalize tasks take no inputs; resubmitted after the conversion finished (its plan removed),
+    they report the finished dataset instead of failing with 'no plan'."""
+    source = write_jsonl(tmp_path / "in" / "a.jsonl", synthetic(30, seed=2))
+    run([source], tmp_path / "out")
+    for phase in ("write", "finalize"):
+        report = run([], tmp_path / "out", phase=phase)
+        assert report.already_done and report.num_samples == 30
+    with pytest.raises(ConvertError, match="no plan"):
+        run([], tmp_path / "elsewhere", phase="finalize")

@@ -1911,6 +1911,11 @@ class Converter:
                 f"not {options.output}"
             )
         if plan is None and inputs is None:
+            finished = self._converted_manifest()
+            if finished is not None and options.phase in ("write", "finalize"):
+                # A resubmitted write/finalize task of a conversion that finished (and removed its plan).
+                self._report_from_manifest(finished)
+                return None
             raise ConvertError(f"no plan in {self.workdir.root}: run the scatter phase first (or pass the inputs)")
         wanted = plan.fingerprint if plan is not None else fingerprint(inputs or [], settings)
         finished = self._finished_manifest(wanted)
@@ -1955,6 +1960,12 @@ class Converter:
         return f"{self.options.output}/{MANIFEST_NAME}"
 
     def _finished_manifest(self, wanted: str) -> Manifest | None:
+        manifest = self._converted_manifest()
+        conversion = (manifest.conversion or {}) if manifest is not None else {}
+        return manifest if conversion.get("fingerprint") == wanted else None
+
+    def _converted_manifest(self) -> Manifest | None:
+        """The output's manifest, if a conversion wrote one."""
         try:
             manifest = Manifest.load(self._manifest_url())
         except (FileNotFoundError, IndexFormatError, OSError, ValueError):
@@ -1962,8 +1973,7 @@ class Converter:
         except Exception as exn:  # S3 clients raise their own kinds for a missing key
             logger.debug("no finished manifest at %s (%s)", self._manifest_url(), exn)
             return None
-        conversion = manifest.conversion or {}
-        return manifest if conversion.get("fingerprint") == wanted else None
+        return manifest if (manifest.conversion or {}).get("fingerprint") else None
 
     def _report_from_manifest(self, manifest: Manifest) -> None:
         report = self.report
@@ -2108,26 +2118,27 @@ class Converter:
             return None
         return failure
 
-    def _layout(self, plan: Plan) -> tuple[ShardLayout, list[dict[str, Any]]]:
+    def _layout(self, plan: Plan) -> tuple[ShardLayout, list[int]]:
+        """The shard layout, and each unit's data size. Done-files are summed as they are read, not kept:
+        each holds two counts per bucket (inputs x buckets of them would not fit in any budget)."""
         counts = np.zeros(plan.buckets, dtype=np.int64)
         tar_bytes = np.zeros(plan.buckets, dtype=np.int64)
-        units = []
+        sizes = []
         for unit in range(len(plan.inputs)):
             done = WorkDir.read_json(self.workdir.unit_done(unit))
             if done is None:
                 raise ConvertError(f"the scatter phase has not finished: {self._missing_units(plan)}")
             counts += np.asarray(done["bucket_counts"], dtype=np.int64)
             tar_bytes += np.asarray(done["bucket_tar_bytes"], dtype=np.int64)
-            units.append(done)
+            sizes.append(int(done["data_size"]))
         settings = plan.settings
-        return ShardLayout(counts, tar_bytes, settings["samples_per_shard"], settings["shard_size"]), units
+        return ShardLayout(counts, tar_bytes, settings["samples_per_shard"], settings["shard_size"]), sizes
 
     def _my_buckets(self, plan: Plan) -> list[int]:
         return list(range(self.options.task_index, plan.buckets, self.options.task_count))
 
     def _write(self, plan: Plan) -> None:
-        layout, units = self._layout(plan)
-        sizes = [unit["data_size"] for unit in units]
+        layout, sizes = self._layout(plan)
         todo = [b for b in self._my_buckets(plan) if not os.path.exists(self.workdir.bucket_done(b))]
         if not todo:
             return
