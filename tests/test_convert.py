@@ -358,6 +358,25 @@ def test_truncated_compressed_input(tmp_path: Path, suffix: str) -> None:
     assert json.dumps(records[item.samples]).startswith(reject["raw"])
 
 
+def test_lines_before_damage_inside_a_gzip_stream_are_kept(tmp_path: Path) -> None:
+    """A good first gzip member then a damaged one: every line of the first is converted and the reject
+    names the first line of the second (the output the failing decompress call had made was lost, with
+    the line number shifted back onto a good line)."""
+    records = synthetic(1000, seed=7)
+    first = gzip.compress(b"".join(json.dumps(r).encode() + b"\n" for r in records), mtime=0)
+    second = bytearray(gzip.compress(b'{"text": "never read"}\n', mtime=0))
+    second[3] = 0xE0  # reserved header flags: the second member is unreadable from its first byte
+    path = tmp_path / "in" / "two.jsonl.gz"
+    path.parent.mkdir()
+    path.write_bytes(first + bytes(second))
+    with pytest.raises(ConvertError, match="line 1001"):
+        run([path], tmp_path / "strict")
+    report = run([path], tmp_path / "out", on_bad_record="skip")
+    (item,) = report.inputs
+    assert (item.samples, item.rejected) == (1000, 1)
+    assert sorted(s["txt"].decode() for s in read_samples(tmp_path / "out")) == sorted(r["text"] for r in records)
+
+
 def test_multi_member_gzip_and_crlf(tmp_path: Path) -> None:
     path = tmp_path / "docs.jsonl.gz"
     first = b"".join(json.dumps(r).encode() + b"\r\n" for r in synthetic(10, seed=1))
