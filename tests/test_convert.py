@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import zlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -709,3 +710,19 @@ def test_a_resubmitted_finalize_of_a_finished_conversion_is_a_no_op(tmp_path: Pa
         assert report.already_done and report.num_samples == 30
     with pytest.raises(ConvertError, match="no plan"):
         run([], tmp_path / "elsewhere", phase="finalize")
+
+
+@pytest.mark.parametrize("name_length", range(8))
+def test_a_bom_split_across_the_first_decoded_pieces_is_stripped(tmp_path: Path, name_length: int) -> None:
+    """The first 18 bytes read (the magic sniff) can end inside a stored-deflate BOM, so the decoder
+    hands it out in two pieces: it is still a BOM, not 'invalid JSON' on line 1."""
+    data = b'\xef\xbb\xbf{"text": "a"}\n{"text": "b"}\n'
+    packer = zlib.compressobj(0, zlib.DEFLATED, -15)  # stored: the BOM's bytes sit at fixed offsets
+    body = packer.compress(data) + packer.flush()
+    name = b"x" * name_length + b"\0" if name_length else b""
+    header = b"\x1f\x8b\x08" + bytes([0x08 if name_length else 0]) + b"\0\0\0\0\0\xff" + name
+    path = tmp_path / "in" / "bom.jsonl.gz"
+    path.parent.mkdir()
+    path.write_bytes(header + body + zlib.crc32(data).to_bytes(4, "little") + len(data).to_bytes(4, "little"))
+    run([path], tmp_path / "out")
+    assert sorted(s["txt"].decode() for s in read_samples(tmp_path / "out")) == ["a", "b"]

@@ -557,7 +557,7 @@ class LineReader:
                     self.window = zstandard.get_frame_parameters(head).window_size
             decoder = _Decoder(kind) if kind else None
             chunk_size = self.COMPRESSED_CHUNK if decoder else self.PLAIN_CHUNK
-            pending, first = head, True
+            pending, first, pending_head = head, True, b""
             while damage is None:
                 raw = pending or stream.read(chunk_size)
                 pending = b""
@@ -571,6 +571,10 @@ class LineReader:
                 if not data:
                     continue
                 if first:
+                    data, pending_head = pending_head + data, b""
+                    if len(data) < len(_UTF8_BOM) and _UTF8_BOM.startswith(data) and damage is None:
+                        pending_head = data  # (a decoder may hand out the first bytes a few at a time)
+                        continue
                     data = data[len(_UTF8_BOM) :] if data.startswith(_UTF8_BOM) else data
                     first = False
                 self.bytes_out += len(data)
@@ -588,7 +592,7 @@ class LineReader:
                     decoder.finish()
                 except _StreamDamaged as exn:
                     damage = str(exn)
-        tail = b"".join(parts)
+        tail = pending_head + b"".join(parts)  # (pending_head: a file of one or two BOM bytes, held back)
         if damage is not None:
             raise InputDamaged(line, tail, damage)
         if tail:
