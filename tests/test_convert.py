@@ -562,6 +562,40 @@ def test_failed_task_stops_the_others(tmp_path: Path) -> None:
         run([good, bad], tmp_path / "out", workdir=str(work), task_index=0, task_count=2, poll_interval=0.05)
 
 
+def test_a_task_failing_otherwise_than_on_a_bad_record_also_stops_the_others(tmp_path, monkeypatch) -> None:
+    """A full disk, a permission, a vanished mount: the failing task leaves a marker too, else the other
+    tasks of the array would wait for its input forever (without --wait-timeout)."""
+    good = write_jsonl(tmp_path / "in" / "a.jsonl", synthetic(50, seed=1))
+    other = write_jsonl(tmp_path / "in" / "b.jsonl", synthetic(50, seed=2))
+    work = tmp_path / "work"
+    run([good, other], tmp_path / "out", workdir=str(work), task_index=0, task_count=2, phase="scatter")
+    original = wdsraft.convert.LineReader.batches
+
+    def failing(self):
+        if self.source.url.endswith("b.jsonl"):
+            raise OSError(28, "No space left on device")
+        return original(self)
+
+    monkeypatch.setattr(wdsraft.convert.LineReader, "batches", failing)
+    with pytest.raises(OSError):
+        run([good, other], tmp_path / "out", workdir=str(work), task_index=1, task_count=2, phase="scatter")
+    monkeypatch.setattr(wdsraft.convert.LineReader, "batches", original)
+    with pytest.raises(ConvertError, match=r"another task failed on .*b\.jsonl: OSError.*space.*rerun"):
+        run(  # (a regression waits: the timeout turns it into a failure with another message)
+            [good, other],
+            tmp_path / "out",
+            workdir=str(work),
+            task_index=0,
+            task_count=2,
+            poll_interval=0.05,
+            wait_timeout=20,
+        )
+    # The owner's retry clears it, and the conversion completes.
+    run([good, other], tmp_path / "out", workdir=str(work), task_index=1, task_count=2, phase="scatter")
+    assert not list((work / "scatter").glob("*.failed"))
+    assert run([good, other], tmp_path / "out", workdir=str(work)).num_samples == 100
+
+
 # ---------------------------------------------------------------------------------------------
 # S3
 

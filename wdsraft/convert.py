@@ -1576,10 +1576,17 @@ class ScatterJob:
         except BaseException as exn:
             _abort(stream)
             rejects.abort()
-            if isinstance(exn, ConvertError):
-                # Tells the other tasks of an array, which would otherwise wait for this input forever.
-                marker = {"error": str(exn), "on_bad_record": self.on_bad_record}
-                WorkDir.write_json(self.workdir.unit_failed(self.unit), marker)
+            if isinstance(exn, Exception):  # (not an interrupt: a preempted task is requeued and retries)
+                # Tells the other tasks of an array, which would otherwise wait for this input forever. A
+                # bad record fails again on every attempt; anything else (a permission, a full disk) may not.
+                marker = {
+                    "error": f"{exn}" if isinstance(exn, ConvertError) else f"{type(exn).__name__}: {exn}",
+                    "on_bad_record": self.on_bad_record,
+                    "transient": not isinstance(exn, ConvertError),
+                    "time": time.time(),
+                }
+                with contextlib.suppress(OSError):  # (the failure being reported may be the disk itself)
+                    WorkDir.write_json(self.workdir.unit_failed(self.unit), marker)
             raise
         done = {
             "unit": self.unit,
@@ -2130,7 +2137,8 @@ class Converter:
                 for unit in left:
                     failure = self._failure(unit)
                     if failure is not None:
-                        raise ConvertError(f"another task failed on {plan.inputs[unit].url}: {failure['error']}")
+                        hint = " (rerun once it is fixed)" if failure.get("transient") else ""
+                        raise ConvertError(f"another task failed on {plan.inputs[unit].url}: {failure['error']}{hint}")
                 if deadline is not None and time.monotonic() > deadline:
                     raise ConvertError(f"gave up waiting for other tasks: {self._missing_units(plan)}")
                 time.sleep(self.options.poll_interval)
@@ -2140,9 +2148,11 @@ class Converter:
         return True
 
     def _failure(self, unit: int) -> dict[str, Any] | None:
-        """The failure another task recorded for a unit. Failures are deterministic (bad records), so
-        one recorded under the same --on-bad-record will happen again; one recorded under the other
-        policy is from an earlier attempt, which the unit's owner will clear when it retries it."""
+        """The failure another task recorded for a unit: waiting on would be forever. A bad record fails
+        on every attempt under the same --on-bad-record (one recorded under the other policy is from an
+        earlier attempt, which the unit's owner clears when it retries). Any other failure also stops
+        the waiters, even one an earlier attempt left (quitting early is recoverable by a rerun; waiting
+        for an input nobody is converting is not)."""
         failure = WorkDir.read_json(self.workdir.unit_failed(unit))
         if failure is None or failure.get("on_bad_record") != self.options.on_bad_record:
             return None
