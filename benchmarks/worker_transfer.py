@@ -43,7 +43,14 @@ class ReadySequences(IterableDataset):
         for row in range(self.batch):  # documents of a few hundred tokens, the last row padded
             sizes = [300, 700, 500, 548] if row else [300, 700]
             pieces = [
-                (rng.integers(0, 100_000, size).astype(np.uint32), ("s.tar", row, 0, 0), 0, size, size)
+                (
+                    rng.integers(0, 100_000, size).astype(np.uint32),
+                    ("s.tar", row, 0, 0),
+                    0,
+                    size,
+                    size,
+                    ["s.tar", row, 0],
+                )
                 for size in sizes
             ]
             sequences.append(build_sequence(pieces, self.length, 0))

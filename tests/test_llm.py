@@ -218,9 +218,12 @@ def ordinal_of(key) -> int:
 
 
 def test_collate_sequences_for_varlen_attention() -> None:
-    docs = [(np.arange(3), ("u", 0, 0, 0), 0, 3, 3), (np.arange(5), ("u", 1, 512, 0), 0, 5, 9)]
+    docs = [
+        (np.arange(3), ("u", 0, 0, 0), 0, 3, 3, ["u", 0, 0]),
+        (np.arange(5), ("u", 1, 512, 0), 0, 5, 9, ["u", 1, 512]),
+    ]
     first = build_sequence(docs, 10, 0)
-    second = build_sequence([(np.arange(10), ("u", 2, 1024, 0), 0, 10, 10)], 10, 0)
+    second = build_sequence([(np.arange(10), ("u", 2, 1024, 0), 0, 10, 10, ["u", 2, 1024])], 10, 0)
     batch = wds.collate_sequences([first, second])
     assert batch["input_ids"].shape == (2, 10)
     assert batch["cu_seqlens"].tolist() == [0, 3, 8, 10, 20] and batch["max_seqlen"] == 10
@@ -426,7 +429,7 @@ def _random_batch(draw_sizes: list[list[int]], length: int, pad_id: int, high: i
         for number, size in enumerate(sizes):
             size = min(size, length - used)
             tokens = rng.integers(0, high, size=size, dtype=np.int64).astype(np.uint32)
-            pieces.append((tokens, ("u", row, number, 0), 0, size, size + number % 2))
+            pieces.append((tokens, ("u", row, number, 0), 0, size, size + number % 2, ["u", row, number]))
             used += size
         sequences.append(build_sequence(pieces, length, pad_id))
     return wds.collate_sequences(sequences)

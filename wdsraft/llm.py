@@ -17,7 +17,6 @@ from __future__ import annotations
 import array
 import bisect
 import collections
-import contextlib
 import functools
 import hashlib
 import itertools
@@ -64,19 +63,18 @@ logger = logging.getLogger(__name__)
 
 
 # Digests of tokenizer objects, so that the pipelines of one process built on one tokenizer compute
-# it once (0.1 s for a fast cl100k_base). Keyed by id, checked by a weak reference: a tokenizer
-# collected and another allocated at its address is not mistaken for it.
-_digests: dict[int, tuple[weakref.ref, str | None]] = {}
+# it once (0.1 s for a fast cl100k_base).
+_digests: weakref.WeakKeyDictionary[Any, str | None] = weakref.WeakKeyDictionary()
 
 
 def _digest_of(tokenizer: Any, compute: Callable[[], str | None]) -> str | None:
-    known = _digests.get(id(tokenizer))
-    if known is not None and known[0]() is tokenizer:
-        return known[1]
-    digest = compute()
-    with contextlib.suppress(TypeError):  # (an object without weak references: computed each time)
-        _digests[id(tokenizer)] = (weakref.ref(tokenizer), digest)
-    return digest
+    try:
+        return _digests[tokenizer]
+    except KeyError:
+        digest = _digests[tokenizer] = compute()
+        return digest
+    except TypeError:  # (an object without weak references, or unhashable: computed each time)
+        return compute()
 
 
 class TokenizerAdapter:
@@ -472,10 +470,7 @@ def build_sequence(pieces: Sequence[Piece], length: int, pad_id: int) -> dict[st
     labels[:used] = ids[:used]
     mask[:used] = 1
     buffer[:, used:] = _padding_column(pad_id)
-    provenance = [
-        [*(piece[5] if len(piece) > 5 else _position(piece[1])), piece[2], piece[3], piece[3] == piece[4]]
-        for piece in pieces
-    ]
+    provenance = [[*position, start, end, end == total] for _, _, start, end, total, position in pieces]
     input_ids, labels_, attention_mask, position_ids = torch.from_numpy(buffer).unbind(0)
     return {
         TOKENS: input_ids,
@@ -906,13 +901,9 @@ def compact_sequence_batch(batch: Any, unchanged: bool = False) -> CompactSequen
     # may have changed them; such a batch travels as it is).
     if ids.dim() != 2 or len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != ids.numel() or (np.diff(bounds) < 0).any():
         return None
-    if (
-        ids.dim() != 2
-        or ids.numel() == 0
-        or any(
-            batch[key].shape != ids.shape or batch[key].dtype != torch.int64 or batch[key].device.type != "cpu"
-            for key in SEQUENCE_TENSORS
-        )
+    if ids.numel() == 0 or any(
+        batch[key].shape != ids.shape or batch[key].dtype != torch.int64 or batch[key].device.type != "cpu"
+        for key in SEQUENCE_TENSORS
     ):
         return None
     low, high = torch.aminmax(ids)
