@@ -39,9 +39,11 @@ from .distributed import rank_and_world_size
 from .errors import IndexFormatError
 from .gopen import gopen, s3_client
 from .llm import PROVENANCE
+from .pipeline import state_epoch
 from .positions import ORDINAL_FIELD
+from .shardlists import UrlList
 from .state import StateMismatchError
-from .storage import local_path, write_bytes_atomic
+from .storage import exists, local_path, write_bytes_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -334,7 +336,7 @@ class Ledger:
         step = None if step is None else operator.index(step)  # (a numpy or torch integer is fine too)
         if self._file is None:
             url = posixpath.join(self.path, f"run-{self.run}", f"rank-{self.rank:05d}{SUFFIX}")
-            if _exists(url):
+            if exists(url):
                 # Rewriting it would drop the commits that checkpoints of that run point to.
                 raise LedgerError(
                     url, f"run id {self.run!r} already has a ledger for rank {self.rank}: every job needs its own"
@@ -416,7 +418,7 @@ class Ledger:
         watermark = self.commit(step)
         # The epoch the state is in, also right before the first batch after a resume (when the loader has
         # not started one yet). At an epoch's end, that epoch: other ranks may still be in it.
-        epoch = _epoch_in_state(state)
+        epoch = state_epoch(state)
         watermark["epoch"] = _epoch_of(loader) if epoch is None else epoch
         return {"loader": state, "ledger": watermark}
 
@@ -472,29 +474,6 @@ def counted(
     return bool(commit["commit"] <= lineage[run])
 
 
-def _exists(url: str) -> bool:
-    local = local_path(url)
-    if local is not None:
-        return os.path.exists(local)
-    bucket, _, key = url.removeprefix("s3://").partition("/")
-    try:
-        s3_client().head_object(Bucket=bucket, Key=key)
-    except Exception as exn:  # botocore's ClientError: 404 means absent, anything else is a real failure
-        if getattr(exn, "response", {}).get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
-            return False
-        raise
-    return True
-
-
-def _epoch_in_state(state: Any) -> int | None:
-    epoch = state.get("epoch") if isinstance(state, dict) else None
-    if not isinstance(epoch, int) or epoch < 0:
-        return None
-    if state.get("finished"):  # (a finished state names the epoch after it)
-        return max(epoch - 1, 0)
-    return epoch + int(state.get("repetition", 0))
-
-
 def _epoch_of(loader: Any) -> int:
     epoch = getattr(loader, "epoch", 0)
     return max(int(epoch), 0)
@@ -512,7 +491,7 @@ def _warn_about_unknown_shards(dataset: Any, consumed: ConsumedSet) -> None:
     """Shards are known by their URL as written: the same files named another way (a relative path,
     another mount point) match nothing, and their samples would be read again."""
     stages = getattr(dataset, "pipeline", [])
-    urls = next((set(stage.urls) for stage in stages if isinstance(getattr(stage, "urls", None), list)), None)
+    urls = next((set(stage.urls) for stage in stages if isinstance(stage, UrlList)), None)
     recorded = set(consumed.samples) | set(consumed.tokens)
     if urls is None or not recorded or recorded & urls:
         return
@@ -531,17 +510,8 @@ def _continue_counters(loader: Any, state: Any, epoch: int) -> None:
     """A loader that repeats (``repeat(n)``/``with_epoch`` on it) goes on counting its epochs as the
     saved run did: it would otherwise run ``n`` more epochs from the resumed one, or stop after an
     empty resumed epoch."""
-    continue_iteration = getattr(loader, "continue_iteration", None)
-    if continue_iteration is None or getattr(loader, "repetitions", 1) == 1 or not isinstance(state, dict):
-        return
-    first, repetition = state.get("epoch"), state.get("repetition")
-    if (
-        isinstance(first, int)
-        and isinstance(repetition, int)
-        and not state.get("finished")
-        and first + repetition == epoch
-    ):
-        continue_iteration(first, repetition, int(state.get("yielded", 0)))
+    if getattr(loader, "repetitions", 1) != 1 and hasattr(loader, "continue_iteration") and state_epoch(state) == epoch:
+        loader.continue_iteration(state)
 
 
 def _set_epoch(loader: Any, epoch: int) -> None:

@@ -287,11 +287,14 @@ class DataPipeline(IterableDataset, PipelineStage):
         """
         self._next_epoch = epoch
 
-    def continue_iteration(self, first_epoch: int, repetition: int, yielded: int = 0) -> None:
-        """Make the next iteration go on with an earlier run's ``repeat``/``with_epoch`` counters, on fresh
-        stages (a ledger's elastic resume: the configuration changed, the epochs still count as they did).
-        Its first pass may come out empty (everything in it consumed) without ending the repetitions."""
-        self._continued = {"epoch": first_epoch, "repetition": repetition, "yielded": yielded}
+    def continue_iteration(self, state: dict[str, Any]) -> None:
+        """Make the next iteration go on with the ``repeat``/``with_epoch`` counters of a state taken
+        mid-iteration (even under another configuration), on fresh stages: a ledger's elastic resume,
+        where the epochs still count as they did. Its first pass may come out empty (everything in it
+        consumed) without ending the repetitions. A finished state has nothing to continue."""
+        if state.get("finished") or not isinstance(state.get("repetition"), int):
+            return
+        self._continued = {key: int(state.get(key, 0)) for key in ("epoch", "repetition", "yielded")}
 
     def skip_consumed(self, consumed: Any, epoch: int) -> None:
         """Skip the positions a ledger says were consumed in ``epoch`` (an elastic resume): before any
@@ -421,6 +424,17 @@ class DataPipeline(IterableDataset, PipelineStage):
                 "same shards, seeds, stages, rank/world size and worker count; to continue with a changed "
                 "configuration, resume through the ledger instead."
             )
+
+
+def state_epoch(state: Any) -> int | None:
+    """The epoch a pipeline state was taken in (the one it finished, for a state taken at the end of
+    an iteration), or None for what is not such a state."""
+    epoch = state.get("epoch") if isinstance(state, dict) else None
+    if not isinstance(epoch, int) or epoch < 0:
+        return None
+    if state.get("finished"):  # (a finished state names the epoch after it)
+        return max(epoch - 1, 0)
+    return epoch + int(state.get("repetition", 0))
 
 
 def config_text(config: dict[str, Any]) -> str:

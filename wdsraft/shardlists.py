@@ -77,7 +77,9 @@ def split_by_worker(src: Iterator[Any]) -> Iterator[Any]:
         yield from src
 
 
-class _UrlList:
+class UrlList:
+    """A source stage with a fixed list of shard URLs."""
+
     urls: list[str]
 
     @functools.cached_property
@@ -85,7 +87,7 @@ class _UrlList:
         return fingerprint(self.urls)
 
 
-class SimpleShardList(_UrlList, IterableDataset, Stage):
+class SimpleShardList(UrlList, IterableDataset, Stage):
     """A fixed list of shard URLs (brace patterns expanded), optionally shuffled with ``seed`` as webdataset does."""
 
     def __init__(self, urls: Any, seed: Any = None):
@@ -113,7 +115,7 @@ class SimpleShardList(_UrlList, IterableDataset, Stage):
         return self.run(Context(0, worker_info()), None, None)
 
 
-class ResampledShards(_UrlList, IterableDataset, Stage):
+class ResampledShards(UrlList, IterableDataset, Stage):
     """An endless stream of shards drawn with replacement, as webdataset's.
 
     With ``deterministic=True`` the draws are a function of (worker seed, epoch, seed),

@@ -106,6 +106,23 @@ def remove(url: str) -> None:
     raise ValueError(f"cannot remove {url}")
 
 
+def exists(url: str) -> bool:
+    """Whether a local file or an S3 object is there."""
+    path = local_path(url)
+    if path is not None:
+        return os.path.exists(path)
+    from .gopen import s3_client
+
+    bucket, _, key = url.removeprefix("s3://").partition("/")
+    try:
+        s3_client().head_object(Bucket=bucket, Key=key)
+    except Exception as exn:  # botocore's ClientError: 404 means absent, anything else is a real failure
+        if getattr(exn, "response", {}).get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+            return False
+        raise
+    return True
+
+
 def write_bytes_atomic(url: str, data: bytes) -> None:
     stream = open_atomic(url)
     try:
