@@ -1583,7 +1583,6 @@ class ScatterJob:
                     "error": f"{exn}" if isinstance(exn, ConvertError) else f"{type(exn).__name__}: {exn}",
                     "on_bad_record": self.on_bad_record,
                     "transient": not isinstance(exn, ConvertError),
-                    "time": time.time(),
                 }
                 with contextlib.suppress(OSError):  # (the failure being reported may be the disk itself)
                     WorkDir.write_json(self.workdir.unit_failed(self.unit), marker)
