@@ -610,6 +610,28 @@ def test_own_tokenizer_adapter(urls) -> None:
         wds.llm.TokenizerAdapter().encode_batch(["x"])
 
 
+def test_tokenize_keeps_batches_queued_while_it_hands_one_out(urls) -> None:
+    class Recording(wds.llm.TokenizerAdapter):
+        name = "recording"
+
+        def __init__(self):
+            self.submitted: list[int] = []
+
+        def submit(self, texts):
+            self.submitted.append(len(texts))
+            arrays = [np.array([len(t)], dtype=np.uint32) for t in texts]
+            return lambda: arrays
+
+    tokenizer = Recording()
+    items = iter(documents(urls, tokenizer, batch_size=4))
+    next(items)  # the first document of the first batch is out: the next batches are already submitted
+    assert tokenizer.submitted == [4] * (1 + wds.llm.QUEUED_BATCHES)
+    rest = list(items)
+    assert [int(i["input_ids"][0]) for i in rest] == [
+        len(s["txt"].decode()) for s in wds.WebDataset(urls, shardshuffle=False)
+    ][1:]
+
+
 def test_fast_tokenizer_thread_count(hf_fast, monkeypatch, caplog) -> None:
     monkeypatch.delenv("RAYON_NUM_THREADS", raising=False)
     wds.as_tokenizer(hf_fast, num_threads=3)
