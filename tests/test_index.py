@@ -243,6 +243,19 @@ def test_aborted_s3_write_leaves_no_object(s3_bucket) -> None:
     assert listing.get("KeyCount", 0) == 0
 
 
+def test_failed_atomic_s3_write_leaves_no_open_upload(s3_bucket) -> None:
+    url = f"s3://{s3_bucket}/ledger.bin"
+    # The write fails after smart_open has started a multipart upload. Left to the garbage collector,
+    # the writer's close() would complete it as an empty object under the final name.
+    with pytest.raises(TypeError):
+        wdsraft.storage.write_bytes_atomic(url, "not bytes")  # type: ignore[arg-type]
+    client = boto3.client("s3")
+    assert client.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []) == []
+    assert client.list_objects_v2(Bucket=s3_bucket).get("KeyCount", 0) == 0
+    wdsraft.storage.write_bytes_atomic(url, b"whole")
+    assert client.get_object(Bucket=s3_bucket, Key="ledger.bin")["Body"].read() == b"whole"
+
+
 def test_index_of_a_foreign_shard_skips_metadata_members_as_readers_do(tmp_path: Path) -> None:
     url = tmp_path / "meta.tar"
     with tarfile.open(url, "w", format=tarfile.GNU_FORMAT) as tar:

@@ -62,7 +62,7 @@ import zstandard
 from .errors import IndexFormatError
 from .gopen import gopen, s3_client, s3_endpoint_url, s5cmd_binary, sniff_compression
 from .index import INDEX_SUFFIX, MANIFEST_NAME, Manifest, ManifestEntry, ShardIndex
-from .storage import is_s3, local_path, open_atomic, remove, write_bytes_atomic
+from .storage import discard, is_s3, local_path, open_atomic, remove, write_bytes_atomic
 from .tarformat import HeaderBuilder, end_of_archive
 
 __all__ = [
@@ -869,10 +869,7 @@ class RejectsWriter:
 
 
 def _abort(stream: Any) -> None:
-    cancel = getattr(stream, "abort", None) or getattr(stream, "terminate", None)
-    if cancel is not None:
-        cancel()
-    else:
+    if not discard(stream):
         stream.close()
 
 

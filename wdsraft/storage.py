@@ -2,19 +2,22 @@
 
 Local files are written to a temporary name in the same directory, flushed to disk and
 renamed over the final name. S3 objects become visible only when their upload
-completes, so they are written directly (smart_open aborts a failed multipart upload).
+completes, so they are written directly; a failed upload is terminated (``discard``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import secrets
-from typing import IO, cast
+from typing import IO, Any, cast
 from urllib.parse import urlparse
 from urllib.request import url2pathname
 
 from .gopen import gopen
+
+logger = logging.getLogger(__name__)
 
 
 def local_path(url: str) -> str | None:
@@ -123,13 +126,26 @@ def exists(url: str) -> bool:
     return True
 
 
+def discard(stream: Any) -> bool:
+    """Give up on a stream from ``open_atomic`` so that nothing appears under its name: a local
+    temporary file is removed (``abort``), an S3 upload terminated (smart_open's ``terminate``:
+    a multipart upload left open is billed until a lifecycle rule removes it). False when the
+    stream has neither (a pipe, say): the caller closes it."""
+    cancel = getattr(stream, "abort", None) or getattr(stream, "terminate", None)
+    if cancel is None:
+        return False
+    cancel()
+    return True
+
+
 def write_bytes_atomic(url: str, data: bytes) -> None:
     stream = open_atomic(url)
     try:
         stream.write(data)
+        stream.close()  # (an S3 upload is completed here, and may fail here)
     except BaseException:
-        abort = getattr(stream, "abort", None)
-        if abort is not None:
-            abort()
+        try:
+            discard(stream)
+        except Exception:  # the original failure is the one to report
+            logger.warning("could not discard the failed write of %s", url, exc_info=True)
         raise
-    stream.close()
