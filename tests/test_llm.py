@@ -408,6 +408,46 @@ def test_bos_eos_and_packing_after_a_webloader_of_tokenized_documents(urls, cl10
         assert torch.equal(a["input_ids"], b["input_ids"]) and a["__provenance__"] == b["__provenance__"]
 
 
+@pytest.mark.parametrize("stage", ["concat_chunk", "pack_bestfit", "chunk"])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_sequence_stages_after_a_webloader_resume_exactly(urls, cl100k, stage, workers) -> None:
+    """Tokenizing and packing in the training process, after a WebLoader of raw documents."""
+
+    def make():
+        loader = wds.WebLoader(
+            wds.WebDataset(urls, shardshuffle=False).batched(3), batch_size=None, num_workers=workers
+        )
+        sequences = loader.unbatched().tokenize(cl100k, batch_size=4).ensure_bos_eos(cl100k)
+        if stage == "pack_bestfit":
+            sequences = sequences.pack_bestfit(LENGTH, buffer=5)
+        else:
+            sequences = getattr(sequences, stage)(LENGTH)
+        return sequences.batched(2)
+
+    stream, states = states_along(make)
+    assert len(stream) > 5
+    for k in range(0, len(states), 2):
+        assert resume(make, states[k], "json", seed=k) == stream[k:], k
+
+
+@pytest.mark.parametrize("which", ["tiktoken", "tokenizers"])
+def test_special_token_text_in_a_document(tmp_path, cl100k, hf_cl100k, which) -> None:
+    """tiktoken encodes ``<|endoftext|>`` found in a document as ordinary text; a fast tokenizer matches
+    its added special tokens (as its own encode does), as the README says."""
+    url = str(tmp_path / "special.tar")
+    with wds.TarWriter(url) as sink:
+        sink.write({"__key__": "a", "txt": "before<|endoftext|>after"})
+    if which == "tiktoken":
+        tokenizer, expected = cl100k, cl100k.encode_ordinary("before<|endoftext|>after")
+    else:
+        tokenizer = hf_cl100k
+        expected = tokenizer.backend_tokenizer.encode("before<|endoftext|>after", add_special_tokens=False).ids
+    (item,) = documents([url], tokenizer)
+    ids = item["input_ids"].tolist()
+    assert ids == expected
+    assert (100257 in ids) == (which == "tokenizers")
+
+
 def test_sequence_state_is_positions_not_tokens(urls, cl100k) -> None:
     pipeline = documents(urls, cl100k).concat_chunk(LENGTH)
     iterator = iter(pipeline)
@@ -625,7 +665,7 @@ def test_tokenize_keeps_batches_queued_while_it_hands_one_out(urls) -> None:
     tokenizer = Recording()
     items = iter(documents(urls, tokenizer, batch_size=4))
     next(items)  # the first document of the first batch is out: the next batches are already submitted
-    assert tokenizer.submitted == [4] * (1 + wds.llm.QUEUED_BATCHES)
+    assert tokenizer.submitted == [4, 4, 4]  # the one handed out and two queued
     rest = list(items)
     assert [int(i["input_ids"][0]) for i in rest] == [
         len(s["txt"].decode()) for s in wds.WebDataset(urls, shardshuffle=False)
