@@ -137,6 +137,10 @@ def test_a_run_id_is_never_reused(tmp_path: Path) -> None:
     watermark = first.commit(5)
     with pytest.raises(LedgerError, match="already has a ledger"):
         wds.Ledger(str(tmp_path), run="a", rank=0, world_size=1).commit(1)
+    # ... and already at resume, before any training under it (a relaunch inside one SLURM job)
+    for saved in (None, {"loader": {}, "ledger": watermark}):
+        with pytest.raises(LedgerError, match="already has a ledger"):
+            wds.Ledger(str(tmp_path), run="a", rank=0, world_size=1).resume(object(), saved)
     assert consumed_pairs(first.consumed(0, watermark["lineage"])) == {("s", 1)}
 
 

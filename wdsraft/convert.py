@@ -62,7 +62,7 @@ import zstandard
 from .errors import IndexFormatError
 from .gopen import gopen, s3_client, s3_endpoint_url, s5cmd_binary, sniff_compression
 from .index import INDEX_SUFFIX, MANIFEST_NAME, Manifest, ManifestEntry, ShardIndex
-from .storage import discard, is_s3, local_path, open_atomic, remove, write_bytes_atomic
+from .storage import abort_write, is_s3, local_path, open_atomic, remove, write_bytes_atomic
 from .tarformat import HeaderBuilder, end_of_archive
 
 __all__ = [
@@ -869,7 +869,7 @@ class RejectsWriter:
 
 
 def _abort(stream: Any) -> None:
-    if not discard(stream):
+    if not abort_write(stream):
         stream.close()
 
 

@@ -335,12 +335,8 @@ class Ledger:
         """
         step = None if step is None else operator.index(step)  # (a numpy or torch integer is fine too)
         if self._file is None:
-            url = posixpath.join(self.path, f"run-{self.run}", f"rank-{self.rank:05d}{SUFFIX}")
-            if exists(url):
-                # Rewriting it would drop the commits that checkpoints of that run point to.
-                raise LedgerError(
-                    url, f"run id {self.run!r} already has a ledger for rank {self.rank}: every job needs its own"
-                )
+            url = self._rank_url()
+            self._refuse_reused_run(url)
             self._file = _RankFile(url, self.run, self.rank, self.world_size, dict(self.lineage))
         commit = {
             "commit": self.commit_number + 1,
@@ -430,6 +426,9 @@ class Ledger:
         afresh and skips every position consumed under the checkpoint's watermark
         ("elastic"). No checkpoint: "fresh".
         """
+        # A reused run id (a relaunch inside one SLURM allocation, say) is refused now, not at the first
+        # checkpoint after hours of training.
+        self._refuse_reused_run(self._rank_url())
         if not saved:
             return "fresh"
         watermark = saved["ledger"]
@@ -458,6 +457,17 @@ class Ledger:
         _set_epoch(loader, epoch)
         _continue_counters(loader, saved["loader"], epoch)
         return "elastic"
+
+    def _rank_url(self) -> str:
+        return posixpath.join(self.path, f"run-{self.run}", f"rank-{self.rank:05d}{SUFFIX}")
+
+    def _refuse_reused_run(self, url: str) -> None:
+        if exists(url):  # rewriting it would drop the commits that checkpoints of that run point to
+            raise LedgerError(
+                url,
+                f"run id {self.run!r} already has a ledger for rank {self.rank}: every launch needs its own "
+                "(set WDSRAFT_RUN, or pass Ledger(run=...), for relaunches inside one job)",
+            )
 
 
 def counted(

@@ -2,7 +2,7 @@
 
 Local files are written to a temporary name in the same directory, flushed to disk and
 renamed over the final name. S3 objects become visible only when their upload
-completes, so they are written directly; a failed upload is terminated (``discard``).
+completes, so they are written directly; a failed upload is terminated (``abort_write``).
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def exists(url: str) -> bool:
     return True
 
 
-def discard(stream: Any) -> bool:
+def abort_write(stream: Any) -> bool:
     """Give up on a stream from ``open_atomic`` so that nothing appears under its name: a local
     temporary file is removed (``abort``), an S3 upload terminated (smart_open's ``terminate``:
     a multipart upload left open is billed until a lifecycle rule removes it). False when the
@@ -145,7 +145,7 @@ def write_bytes_atomic(url: str, data: bytes) -> None:
         stream.close()  # (an S3 upload is completed here, and may fail here)
     except BaseException:
         try:
-            discard(stream)
+            abort_write(stream)
         except Exception:  # the original failure is the one to report
             logger.warning("could not discard the failed write of %s", url, exc_info=True)
         raise

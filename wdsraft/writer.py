@@ -28,7 +28,7 @@ from typing import IO, Any, cast
 from webdataset.writer import make_encoder
 
 from .index import MANIFEST_NAME, ShardIndex, manifest_for
-from .storage import discard, is_s3, local_path, open_atomic
+from .storage import abort_write, is_s3, local_path, open_atomic
 from .tarformat import HeaderBuilder, end_of_archive, member_padding
 from .tariterators import is_meta_member, split_key
 
@@ -214,7 +214,7 @@ class TarWriter:
             return
         self._closed = True
         stream = self._sink.stream
-        if not discard(stream) and self._owns_stream:
+        if not abort_write(stream) and self._owns_stream:
             self._sink.close()
 
     @staticmethod
