@@ -230,7 +230,8 @@ def _sample_loader(urls, seed: int, batch: int, workers: int = 0):
 
 
 @pytest.mark.parametrize("stop", [15, 30, 40])  # mid epoch 0, its last batch, mid epoch 1 (30 per epoch)
-def test_elastic_resume_of_a_loader_that_repeats(tmp_path, urls, stop) -> None:
+@pytest.mark.parametrize("checkpoint_first", [False, True])
+def test_elastic_resume_of_a_loader_that_repeats(tmp_path, urls, stop, checkpoint_first) -> None:
     """repeat(2) on the WebLoader: an elastic resume goes on counting epochs as the saved run did (it ran
     two more epochs from the resumed one, or stopped after an empty resumed epoch)."""
     ledger = wds.Ledger(str(tmp_path / "l"), run="one", rank=0, world_size=1)
@@ -244,6 +245,11 @@ def test_elastic_resume_of_a_loader_that_repeats(tmp_path, urls, stop) -> None:
     again = wds.Ledger(str(tmp_path / "l"), run="two", rank=0, world_size=1)
     changed = _sample_loader(urls, seed=2, batch=5).repeat(2)
     assert again.resume(changed, saved) == "elastic"
+    if checkpoint_first:  # a checkpoint before the elastic run's first batch keeps the counters it goes on with
+        saved = again.checkpoint(changed, stop)
+        again = wds.Ledger(str(tmp_path / "l"), run="three", rank=0, world_size=1)
+        changed = _sample_loader(urls, seed=2, batch=5).repeat(2)
+        assert again.resume(changed, saved) == "exact"
     for batch in again.track(changed):
         got.update((changed.epoch, u, o) for u, o in zip(batch["__url__"], batch["__ordinal__"].tolist(), strict=True))
     assert {epoch for epoch, _, _ in got} == {0, 1}

@@ -399,14 +399,15 @@ class DataPipeline(IterableDataset, PipelineStage):
     def _initial_state(self) -> dict[str, Any]:
         info = worker_info()
         epoch = self._next_epoch if self._next_epoch is not None else self.epoch + 1
+        # Before the first item of an iteration that continues another's counters: those counters.
+        counters = self._continued or {"epoch": epoch, "repetition": 0, "yielded": 0}
         return {
             "format": STATE_FORMAT,
             "version": STATE_VERSION,
             "fingerprint": self.fingerprint(info),
             "config": config_text({**self.config(), "worker": list(info)}),
-            "epoch": epoch,
-            "repetition": 0,
-            "yielded": 0,
+            **counters,
+            "continued": self._continued is not None,
             "pass_count": 0,
             "stages": None,
             **self.seed_record(),
@@ -562,7 +563,9 @@ class _Iteration:
         counters = pending or continued
         self.repetition = counters["repetition"] if counters else 0
         self.yielded = counters["yielded"] if counters else 0  # items handed out in this iter() (with_epoch)
-        self.may_start_empty = pending is None and continued is not None
+        # A continued iteration's first pass may come out empty (all of it consumed) without ending it;
+        # a state taken before that pass ends says so ("continued").
+        self.may_start_empty = continued is not None or bool(pending and pending.get("continued"))
         self.pass_count = pending["pass_count"] if pending else 0  # items handed out in the current pass
         self.stage_states = pending["stages"] if pending else None
         self.finished = False
@@ -634,6 +637,7 @@ class _Iteration:
             "epoch": self.first_epoch,
             "repetition": self.repetition,
             "yielded": self.yielded,
+            "continued": self.may_start_empty,
             "pass_count": self.pass_count,
             # Before the first item of a restored pass, the stages still hold the loaded states.
             "stages": self.current.state() if self.current is not None else copy.deepcopy(self.stage_states),
