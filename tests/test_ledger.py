@@ -396,6 +396,22 @@ def test_ledger_refuses_pieces_of_a_document_out_of_order(tmp_path, urls, shuffl
         assert sum(1 for _ in ledger.track(loader)) > 10
 
 
+def test_piece_order_allows_repeats_and_refuses_gaps() -> None:
+    """A document read twice (resampled shards, two workers) interleaves repeats of delivered pieces: no
+    token is lost, nothing to stop. A piece beyond the next undelivered token would lose the gap."""
+    from wdsraft.ledger import _PieceOrder
+
+    def sequence(*spans):
+        return [["s.tar", 7, 0, start, end, last] for start, end, last in spans]
+
+    order = _PieceOrder()
+    for spans in [(0, 32, False)], [(0, 32, False)], [(32, 64, False)], [(32, 64, False), (64, 80, True)]:
+        order.check(sequence(*spans), epoch=0)
+    order.check(sequence((0, 32, False)), epoch=0)
+    with pytest.raises(LedgerError, match="out of order"):
+        order.check(sequence((48, 64, False)), epoch=0)
+
+
 def test_piece_order_starts_afresh_each_epoch(tmp_path, urls) -> None:
     """chunk() drops documents' short tails, so their last piece never comes: the next epoch's first piece
     of such a document (token 0 again) is in order, not a reordering."""

@@ -76,12 +76,15 @@ class ConsumedSet:
         for shard, partial in other.tokens.items():
             for ordinal, end in partial.items():
                 self.add_tokens(shard, ordinal, end)
-        # A document delivered in part at one commit and whole at a later one is whole, not also partial.
-        for shard, partial in self.tokens.items():
-            done = self.samples.get(shard)
-            if done:
-                for ordinal in [o for o in partial if o in done]:
-                    del partial[ordinal]
+        # A document delivered in part at one commit and whole at a later one is whole, not also partial
+        # (only the shards ``other`` touched can have changed: merging commits one by one stays linear).
+        for touched in other.samples.keys() | other.tokens.keys():
+            kept, done = self.tokens.get(touched), self.samples.get(touched)
+            if kept and done:
+                for ordinal in [o for o in kept if o in done]:
+                    del kept[ordinal]
+                if not kept:
+                    del self.tokens[touched]
 
     def is_consumed(self, shard: str, ordinal: int) -> bool:
         bitmap = self.samples.get(shard)
@@ -122,7 +125,7 @@ def positions_of(batch: Any) -> list[tuple[str, int, int | None, bool]]:
     that keep ``__url__`` and ``__ordinal__`` (webdataset's dict collation does).
     """
     if isinstance(batch, dict) and PROVENANCE in batch:
-        return [(url, ordinal, end, bool(last)) for url, ordinal, _offset, _start, end, last in _pieces(batch)]
+        return _piece_positions(_pieces(batch))
     if isinstance(batch, dict) and "__url__" in batch and ORDINAL_FIELD in batch:
         urls, ordinals = batch["__url__"], batch[ORDINAL_FIELD]
         if isinstance(urls, str):
@@ -133,6 +136,10 @@ def positions_of(batch: Any) -> list[tuple[str, int, int | None, bool]]:
         "samples (for example to_tuple(..., '__url__', '__ordinal__') is not enough; batch dicts instead), "
         "or deliver LLM sequences, which carry '__provenance__'"
     )
+
+
+def _piece_positions(pieces: list[list[Any]]) -> list[tuple[str, int, int | None, bool]]:
+    return [(url, ordinal, end, bool(last)) for url, ordinal, _offset, _start, end, last in pieces]
 
 
 def _pieces(batch: dict[str, Any]) -> list[list[Any]]:
@@ -158,13 +165,13 @@ class _PieceOrder:
     def __init__(self) -> None:
         self.next_token: collections.OrderedDict[tuple[int, str, int], int] = collections.OrderedDict()
 
-    def check(self, batch: Any, epoch: int) -> None:
-        if not (isinstance(batch, dict) and PROVENANCE in batch):
-            return
-        for url, ordinal, _offset, start, end, last in _pieces(batch):
+    def check(self, pieces: list[list[Any]], epoch: int) -> None:
+        for url, ordinal, _offset, start, end, last in pieces:
             key = (epoch, url, ordinal)  # (a document whose tail chunk() dropped starts afresh next epoch)
             expected = self.next_token.pop(key, None)
-            if expected is not None and start != expected:
+            # A gap loses tokens; a piece starting earlier repeats delivered ones (resampled shards read a
+            # document twice, maybe interleaved across workers) and loses none.
+            if expected is not None and start > expected:
                 raise LedgerError(
                     "ledger",
                     f"document {ordinal} of {url}: tokens {start}-{end} reached the training loop while the next "
@@ -174,7 +181,7 @@ class _PieceOrder:
                     "before tokenize/packing instead, or resume such a run exactly only (without the ledger).",
                 )
             if not last:
-                self.next_token[key] = end
+                self.next_token[key] = max(end, expected or 0)
                 if len(self.next_token) > self.capacity:
                     self.next_token.popitem(last=False)
 
@@ -305,10 +312,15 @@ class Ledger:
 
     def record(self, batch: Any, epoch: int) -> None:
         """Note what a batch delivered to the training loop holds (consumed once committed)."""
-        self._order.check(batch, epoch)
+        if isinstance(batch, dict) and PROVENANCE in batch:  # LLM sequences: pieces of documents
+            pieces = _pieces(batch)
+            self._order.check(pieces, epoch)
+            positions = _piece_positions(pieces)
+        else:
+            positions = positions_of(batch)
         consumed = self.pending.setdefault(epoch, ConsumedSet())
         whole: dict[str, list[int]] = {}
-        for shard, ordinal, token_end, complete in positions_of(batch):
+        for shard, ordinal, token_end, complete in positions:
             if complete:
                 whole.setdefault(shard, []).append(ordinal)
             elif token_end is not None:
