@@ -6,16 +6,16 @@ not consumed; a packed document counts when its last token was delivered, and th
 delivered of a document cut across sequences are recorded as a token count, so an elastic
 resume continues the document instead of repeating it.
 
-**Layout.** ``PATH/run-RUN/rank-RANK.ledger``, one msgpack file per (run, rank), rewritten
+**Layout.** ``PATH/run-RUN/rank-NNNNN.ledger`` (the rank in 5 digits), one msgpack file per (run, rank), rewritten
 atomically at each commit; it holds the commits of that rank in that run, each the set of
 positions consumed since the previous one, per epoch, as one roaring bitmap of ordinals per
 shard. Plain data with a checksum: loading never runs code, a torn file is detected.
 
-**Watermarks.** ``commit()`` returns a watermark -- ``{run: last commit}`` for every run in
-this training's lineage, plus the epoch -- which goes into the checkpoint. Reading the
-ledger under a watermark counts only those commits, so resuming from an older checkpoint
-(a rewind after a loss spike, or a crash between the ledger commit and the checkpoint
-write) never treats samples from later steps as consumed.
+**Watermarks.** ``commit()`` returns a watermark -- the last commit and its step for every
+run in this training's lineage, plus the epoch -- which goes into the checkpoint. Reading
+the ledger under a watermark counts only those commits (other ranks' by step), so resuming
+from an older checkpoint (a rewind after a loss spike, or a crash between the ledger commit
+and the checkpoint write) never treats samples from later steps as consumed.
 """
 
 from __future__ import annotations
