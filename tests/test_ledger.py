@@ -144,6 +144,14 @@ def test_a_run_id_is_never_reused(tmp_path: Path) -> None:
     assert consumed_pairs(first.consumed(0, watermark["lineage"])) == {("s", 1)}
 
 
+def test_commit_without_a_step_on_several_ranks_warns(tmp_path: Path, caplog) -> None:
+    with caplog.at_level("WARNING", logger="wdsraft.ledger"):
+        wds.Ledger(str(tmp_path), run="a", rank=0, world_size=1).commit()
+        assert "without a step" not in caplog.text
+        wds.Ledger(str(tmp_path), run="b", rank=1, world_size=2).commit()
+    assert "without a step on 2 ranks" in caplog.text
+
+
 def test_commit_takes_numpy_and_torch_steps(tmp_path: Path) -> None:
     import numpy as np
     import torch

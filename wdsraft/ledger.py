@@ -346,6 +346,12 @@ class Ledger:
         Every rank commits (before the checkpoint is written); the commit is atomic.
         """
         step = None if step is None else operator.index(step)  # (a numpy or torch integer is fine too)
+        if step is None and self.world_size > 1 and self.commit_number == 0:
+            logger.warning(
+                "ledger: commit() without a step on %d ranks: other ranks' commits are then counted by commit "
+                "number, which is only right if every rank commits at the same points; pass the training step",
+                self.world_size,
+            )
         if self._file is None:
             url = self._rank_url()
             self._refuse_reused_run(url)
