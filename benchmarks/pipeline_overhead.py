@@ -6,9 +6,12 @@
 there (read shards -> tokenize -> BOS/EOS -> concat_chunk -> ``[8, 2048]`` batches) runs with
 the tokenizer replaced by a lookup of ids computed beforehand, so what is left is everything
 but tokenization: reading, BOS/EOS, packing, building and collating tensors, and in workers
-the crossing to the training process. Reported in CPU seconds (all processes), side by side
-with the CPU seconds the tokenizers themselves take for the same texts (tiktoken in one thread,
-the fast tokenizer on one Rayon thread), and as a share of those. Best of ``--rounds``.
+the crossing to the training process. Workers run as in ``tokens.py`` (``prefetch_factor=64``,
+``WebLoader``'s default snapshot interval), and once more sending their state with every batch
+(``snapshot_every_n_steps=1``, torchdata's default). Reported in CPU seconds (all processes),
+side by side with the CPU seconds the tokenizers themselves take for the same texts (tiktoken
+in one thread, the fast tokenizer on one Rayon thread), and as a share of those. Best of
+``--rounds``.
 """
 
 from __future__ import annotations
@@ -51,9 +54,9 @@ def cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
-def pipeline_cpu(urls: list[str], tokenizer: TokenizerAdapter, workers: int) -> tuple[float, int]:
+def pipeline_cpu(urls: list[str], tokenizer: TokenizerAdapter, workers: int, **kw: int) -> tuple[float, int]:
     dataset = sequence_batches(urls, tokenizer)
-    loader = wds.WebLoader(dataset, batch_size=None, num_workers=workers, prefetch_factor=16 if workers else None)
+    loader = wds.WebLoader(dataset, batch_size=None, num_workers=workers, prefetch_factor=64 if workers else None, **kw)
     start, tokens = cpu_seconds(), 0
     for batch in loader:
         tokens += int(batch["attention_mask"].sum())
@@ -93,10 +96,14 @@ def main() -> None:
         "HF fast (1 Rayon thread)": fast_ids,
     }
     raw = {name: min(tokenizer_cpu(texts, run) for _ in range(args.rounds)) for name, run in tokenizers.items()}
-    settings = {"training process": 0, f"{args.workers} DataLoader workers": args.workers}
+    settings: dict[str, tuple[int, dict[str, int]]] = {
+        "training process": (0, {}),
+        f"{args.workers} DataLoader workers": (args.workers, {}),
+        f"{args.workers} DataLoader workers, state with every batch": (args.workers, {"snapshot_every_n_steps": 1}),
+    }
     pipeline, tokens = {}, 0
-    for where, workers in settings.items():
-        runs = [pipeline_cpu(urls, PrecomputedIds(table), workers) for _ in range(args.rounds)]
+    for where, (workers, kw) in settings.items():
+        runs = [pipeline_cpu(urls, PrecomputedIds(table), workers, **kw) for _ in range(args.rounds)]
         pipeline[where], tokens = min(seconds for seconds, _ in runs), runs[0][1]
 
     print(f"{tokens / 1e6:.1f}M tokens, {len(texts)} documents, {len(urls)} shards; best of {args.rounds}\n")

@@ -580,13 +580,22 @@ class _MaskingWrapper(torch.utils.data.IterableDataset):
         return map(_mask_first_tokens, self.inner)
 
 
-@pytest.mark.parametrize("where", ["map_after_batched", "own_collation", "wrapping_dataset"])
+def _mask_first_sequence_tokens(sequence):
+    sequence["labels"] = sequence["labels"].clone()  # (a sequence's rows are views of one buffer)
+    sequence["labels"][:3] = -100
+    return sequence
+
+
+@pytest.mark.parametrize("where", ["map_before_batched", "map_after_batched", "own_collation", "wrapping_dataset"])
 def test_batches_changed_in_place_in_a_worker_cross_changed(urls, cl100k, where) -> None:
-    """A batch skips the compact form's full check only when it comes straight from ``batched``'s own
-    collation as the worker dataset's last stage; labels changed in place any other way still arrive."""
+    """A batch skips the compact form's full check only when ``batched``'s own collation, as the worker
+    dataset's last stage, made it from sequences straight from a sequence stage; labels changed any
+    other way still arrive."""
 
     def loader(workers: int):
         dataset = wds.WebDataset(urls, shardshuffle=False).tokenize(cl100k, batch_size=5).concat_chunk(LENGTH)
+        if where == "map_before_batched":
+            dataset = dataset.map(_mask_first_sequence_tokens)
         if where == "own_collation":
             dataset = dataset.batched(3, collation_fn=_collate_then_mask)
         else:

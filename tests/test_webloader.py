@@ -3,6 +3,8 @@ and webdataset's own README examples running unchanged with ``import wdsraft as 
 
 from __future__ import annotations
 
+import multiprocessing
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -190,6 +192,35 @@ def test_resume_between_worker_snapshots(urls) -> None:
         assert resume(make, states[k], seed=k) == stream[k:], k
     _stream, states = states_along(lambda: make(5), limit=20)
     assert resume(lambda: make(5), states[12]) == stream[12:]
+
+
+@pytest.mark.parametrize(("prefetch", "every", "most"), [(8, None, 1 / 8), (64, None, 1 / 8), (64, 64, 1.0)])
+def test_workers_send_their_state_with_few_batches(urls, monkeypatch, prefetch, every, most) -> None:
+    """torchdata asks a worker for its state with every batch requested within
+    ``workers * (prefetch_factor + 1) + 1`` steps before a snapshot step; the default interval keeps
+    that to one batch in 8 (a 64-step interval with ``prefetch_factor=64`` asks with every batch)."""
+    calls = multiprocessing.get_context("fork").Value("i", 0)
+    original = wds.pipeline.DataPipeline.state_dict
+
+    def counted(self):
+        with calls.get_lock():
+            calls.value += 1
+        return original(self)
+
+    monkeypatch.setattr(wds.pipeline.DataPipeline, "state_dict", counted)  # (forked workers inherit it)
+    # 88 samples, 3 passes (an epoch each): a few hundred batches crossing from 2 workers.
+    dataset = wds.WebDataset(urls, shardshuffle=8, seed=3).to_tuple("__key__").batched(1).repeat(3)
+    kw = {} if every is None else {"snapshot_every_n_steps": every}
+    loader = wds.WebLoader(dataset, batch_size=None, num_workers=2, prefetch_factor=prefetch, **kw)
+    interval = loader.loader.snapshot_every_n_steps
+    assert interval == (every or max(64, 8 * (2 * (prefetch + 1) + 1)))
+    batches = sum(1 for _ in loader)
+    assert batches == 264
+    # Each worker also sends its state once more at its end, and with each of its batches in a window
+    # (at most 2 * (prefetch + 1) + 1 of them) that the run ends in.
+    assert calls.value <= most * batches + 2 * (prefetch + 1) + 1 + 2
+    if every == 64:
+        assert calls.value >= batches  # the contrast: every batch (or more: a state may take two calls)
 
 
 @pytest.mark.parametrize("main_stages", [False, True])

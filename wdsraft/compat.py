@@ -303,10 +303,10 @@ def convert_batch(batch: Any) -> Any:
     info = get_worker_info()
     if info is not None:
         # The full check of a compact batch costs as much as making it. A batch that the worker's
-        # dataset, a pipeline ending in ``batched``, collated just now with ``collate_sequences``
-        # reaches this function with no code run on it since (DataLoader's fetcher only calls
-        # next() and this): it needs none.
-        unchanged = llm.straight_from_collation(batch) and _ends_in_batched(info.dataset)
+        # dataset, a pipeline ending in a sequence stage and ``batched``, collated just now with
+        # ``collate_sequences`` reaches this function with no code run on its sequences since
+        # they were built (DataLoader's fetcher only calls next() and this): it needs none.
+        unchanged = llm.straight_from_collation(batch) and _ends_in_batched_sequences(info.dataset)
         compact = llm.compact_sequence_batch(batch, unchanged=unchanged)
         if compact is not None:
             return compact
@@ -315,9 +315,11 @@ def convert_batch(batch: Any) -> Any:
     return default_convert(batch)
 
 
-def _ends_in_batched(dataset: Any) -> bool:
+def _ends_in_batched_sequences(dataset: Any) -> bool:
+    """Whether ``dataset`` batches sequences straight from the stage that built them (a ``map`` in
+    between may have changed their labels, say: those batches get the full check)."""
     stages = dataset.pipeline if isinstance(dataset, DataPipeline) else []
-    return bool(stages) and isinstance(stages[-1], filters.batched)
+    return len(stages) >= 2 and isinstance(stages[-1], filters.batched) and llm.builds_sequences(stages[-2])
 
 
 class WebLoader(DataPipeline, FluidInterface):
@@ -329,22 +331,40 @@ class WebLoader(DataPipeline, FluidInterface):
     and theirs.
     """
 
-    #: Default of ``StatefulDataLoader``'s ``snapshot_every_n_steps`` (torchdata's is 1): gathering and
-    #: shipping each worker's state with every batch cost several percent of an LLM pipeline's
-    #: throughput on small machines; a restore re-runs at most this many batches.
+    #: Least default of ``StatefulDataLoader``'s ``snapshot_every_n_steps`` (torchdata's is 1): gathering
+    #: and shipping each worker's state with every batch cost several percent of an LLM pipeline's
+    #: throughput on small machines; a restore re-runs the batches since the last snapshot.
     snapshot_every_n_steps = 64
+    #: The default interval keeps worker states to at most one batch in this many (see ``snapshot_interval``).
+    snapshot_sparsity = 8
 
     def __init__(self, *args: Any, **kw: Any):
         given = inspect.signature(StatefulDataLoader).bind(*args, **kw).arguments
         if "batch_size" in given and given["batch_size"] is None and given.get("collate_fn") is None:
             kw["collate_fn"] = convert_batch
-        # Workers send their dataset state every this many batches, not with every batch: a state
-        # between two snapshots restores by re-running the batches since the last one.
-        kw.setdefault("snapshot_every_n_steps", self.snapshot_every_n_steps)
+        if "snapshot_every_n_steps" not in given:
+            kw["snapshot_every_n_steps"] = self.snapshot_interval(
+                given.get("num_workers", 0), given.get("prefetch_factor")
+            )
         with warnings.catch_warnings():  # torchdata 0.11 calls a deprecated torch API on every construction
             warnings.filterwarnings("ignore", message=".*set_vital.*is deprecated")
             loader = StatefulDataLoader(*args, **kw)
         super().__init__(LoaderSource(loader))
+
+    @classmethod
+    def snapshot_interval(cls, num_workers: int, prefetch_factor: int | None) -> int:
+        """The default ``snapshot_every_n_steps``: at least ``snapshot_every_n_steps``, and long enough
+        that at most one batch in ``snapshot_sparsity`` carries a worker's state.
+
+        For an ``IterableDataset`` torchdata cannot tell which worker's batch will be handed out at a
+        snapshot step, so it asks for the state with every batch requested within
+        ``num_workers * (prefetch_factor + 1) + 1`` steps before one: with a deep prefetch (64 batches
+        per worker) and a 64-step interval that was every batch.
+        """
+        if num_workers <= 0:
+            return cls.snapshot_every_n_steps
+        window = num_workers * ((2 if prefetch_factor is None else prefetch_factor) + 1) + 1
+        return max(cls.snapshot_every_n_steps, cls.snapshot_sparsity * window)
 
     @property
     def loader(self) -> StatefulDataLoader:

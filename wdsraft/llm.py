@@ -790,6 +790,11 @@ def pack_bestfit(length: int, buffer: int = 1024, pad_id: int = 0) -> PackBestFi
     return PackBestFit(length, buffer, pad_id)
 
 
+def builds_sequences(stage: Any) -> bool:
+    """Whether ``stage`` is one of the stages that make sequences with ``build_sequence``."""
+    return isinstance(stage, (_SequenceStage, pad))
+
+
 def is_sequence(item: Any) -> bool:
     return isinstance(item, dict) and PROVENANCE in item and "cu_seqlens" in item
 
