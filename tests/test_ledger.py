@@ -632,10 +632,41 @@ def test_ledger_cli_counts_a_document_finished_later_as_whole_and_checks_lineage
     assert "partly" not in capsys.readouterr().out  # (it said "1 documents partly delivered")
     assert _ledger_cli("export", str(tmp_path / "l")) == 0
     assert json.loads(capsys.readouterr().out)["epochs"]["0"] == {"s.tar": {"ranges": [[4, 6]]}}
-    for bad in ("a", "a=two", "a:1"):
+    for bad in ("a", "a=two", "a:1", "a=1@", "a=1@five"):
         with pytest.raises(SystemExit) as exit_info:
             _ledger_cli("show", str(tmp_path / "l"), "--lineage", bad)
         assert exit_info.value.code == 2 and "RUN=COMMIT" in capsys.readouterr().err
+
+
+def test_ledger_cli_lineage_with_a_step_counts_every_rank_by_step(tmp_path, capsys) -> None:
+    """Ranks number their commits each on their own: rank 1 committed twice by step 5, rank 0 once.
+    ``a=1@5`` counts both of rank 1's commits (as a checkpoint's watermark would); ``a=1`` only its first."""
+    path = str(tmp_path / "l")
+    rank0 = wds.Ledger(path, run="a", rank=0, world_size=2)
+    rank1 = wds.Ledger(path, run="a", rank=1, world_size=2)
+    rank0.record({"__url__": ["s.tar"], "__ordinal__": [0]}, epoch=0)
+    rank0.commit(step=5)
+    rank0.record({"__url__": ["s.tar"], "__ordinal__": [1]}, epoch=0)
+    rank0.commit(step=10)
+    for step, ordinal in ((3, 10), (5, 11), (10, 12)):
+        rank1.record({"__url__": ["s.tar"], "__ordinal__": [ordinal]}, epoch=0)
+        rank1.commit(step=step)
+
+    def exported(lineage: str) -> list[list[int]]:
+        assert _ledger_cli("export", path, "--lineage", lineage) == 0
+        return json.loads(capsys.readouterr().out)["epochs"]["0"]["s.tar"]["ranges"]
+
+    assert exported("a=1@5") == [[0, 1], [10, 12]]
+    assert exported("a=1") == [[0, 1], [10, 11]]  # (by commit number: rank 1's step-5 commit is its second)
+    assert exported("a=2@10") == [[0, 2], [10, 13]]
+    later = wds.Ledger(path, run="b", rank=0, world_size=1)
+    later.lineage = {"a": 2}  # (what resume() sets from a checkpoint's watermark)
+    later.record({"__url__": ["s.tar"], "__ordinal__": [20]}, epoch=0)
+    later.commit(step=11)
+    assert _ledger_cli("show", path, "--lineage", "a=1@5") == 0
+    shown = capsys.readouterr().out
+    assert "a: 2 ranks (world size 2), 3 commits, last step 10, started fresh; counted up to step 5" in shown
+    assert "b: 1 ranks (world size 1), 1 commits, last step 11, started from a=2; outside the lineage" in shown
 
 
 def test_elastic_resume_with_added_shards(tmp_path, urls, corpus_records) -> None:

@@ -223,7 +223,7 @@ def default_run_id(world_size: int = 1) -> str:
     return fresh
 
 
-class _RankFile:
+class RankFile:
     """One (run, rank) file: its commits, rewritten whole and atomically at each commit."""
 
     def __init__(self, url: str, run: str, rank: int, world_size: int, parent: dict[str, int]):
@@ -259,7 +259,7 @@ class _RankFile:
         write_bytes_atomic(self.url, self.to_bytes())
 
     @classmethod
-    def parse(cls, url: str, raw: bytes) -> _RankFile:
+    def parse(cls, url: str, raw: bytes) -> RankFile:
         try:
             outer = msgpack.unpackb(raw, raw=False)
         except Exception as exn:
@@ -303,7 +303,7 @@ class Ledger:
         self.last_step: int | None = None
         self.commit_number = 0
         self.pending: dict[int, ConsumedSet] = {}  # epoch -> delivered since the last commit
-        self._file: _RankFile | None = None
+        self._file: RankFile | None = None
         self._order = _PieceOrder()
         #: For a run that resumed elastically: the epoch and lineage whose consumed set it skips.
         self.skip: dict[str, Any] | None = None
@@ -355,7 +355,7 @@ class Ledger:
         if self._file is None:
             url = self._rank_url()
             self._refuse_reused_run(url)
-            self._file = _RankFile(url, self.run, self.rank, self.world_size, dict(self.lineage))
+            self._file = RankFile(url, self.run, self.rank, self.world_size, dict(self.lineage))
         commit = {
             "commit": self.commit_number + 1,
             "step": step,
@@ -403,10 +403,10 @@ class Ledger:
         ]
         return [f"s3://{bucket}/{key}" for key in sorted(keys)]
 
-    def rank_files(self) -> Iterator[_RankFile]:
+    def rank_files(self) -> Iterator[RankFile]:
         for url in self.files():
             with gopen(url, "rb") as stream:
-                yield _RankFile.parse(url, stream.read())
+                yield RankFile.parse(url, stream.read())
 
     def consumed(
         self, epoch: int, lineage: dict[str, int] | None = None, steps: dict[str, int | None] | None = None

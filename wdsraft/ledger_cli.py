@@ -11,7 +11,7 @@ from typing import Any
 
 from .errors import IndexFormatError
 from .index import Manifest, ShardIndex
-from .ledger import ConsumedSet, Ledger, LedgerError, _RankFile, counted
+from .ledger import ConsumedSet, Ledger, LedgerError, RankFile, counted
 from .storage import remove
 
 
@@ -31,7 +31,13 @@ def add_ledger_commands(commands: Any) -> None:
     def common(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("path", help="the ledger directory or s3:// prefix")
         parser.add_argument("--checkpoint", help="a checkpoint (torch or JSON) holding a ledger watermark")
-        parser.add_argument("--lineage", type=_lineage_argument, help="the watermark as RUN=COMMIT[,RUN=COMMIT...]")
+        parser.add_argument(
+            "--lineage",
+            type=_lineage_argument,
+            help="the watermark as RUN=COMMIT[@STEP][,...]: with the step (`ledger show` prints each run's last "
+            "step), every rank's commits up to that step count, as with --checkpoint; without it, each rank's "
+            "commits up to that commit number",
+        )
 
     show = actions.add_parser("show", help="consumed counts and fractions per epoch and shard; runs and ranks")
     common(show)
@@ -54,28 +60,34 @@ def add_ledger_commands(commands: Any) -> None:
     export.set_defaults(func=cmd_export)
 
 
-def _lineage_argument(text: str) -> dict[str, int]:
-    lineage = {}
-    for item in filter(None, text.split(",")):
-        run, _, commit = item.partition("=")
-        if not run or not commit.isdigit():
-            raise argparse.ArgumentTypeError(f"{item!r} is not RUN=COMMIT (a run id and a commit number)")
-        lineage[run] = int(commit)
-    return lineage
-
-
 Watermark = tuple[dict[str, int], dict[str, Any]]  # (run -> last commit, run -> step of that commit)
 
 
-def _rank_files(args: argparse.Namespace) -> tuple[list[_RankFile], Watermark]:
+def _lineage_argument(text: str) -> Watermark:
+    lineage: dict[str, int] = {}
+    steps: dict[str, Any] = {}
+    for item in filter(None, text.split(",")):
+        run, _, mark = item.partition("=")
+        commit, at, step = mark.partition("@")
+        if not run or not commit.isdigit() or (at and not step.isdigit()):
+            raise argparse.ArgumentTypeError(
+                f"{item!r} is not RUN=COMMIT or RUN=COMMIT@STEP (a run id, a commit number, a training step)"
+            )
+        lineage[run] = int(commit)
+        if at:
+            steps[run] = int(step)
+    return lineage, steps
+
+
+def _rank_files(args: argparse.Namespace) -> tuple[list[RankFile], Watermark]:
     """The ledger's rank files and the watermark the command works on (given, from a checkpoint, or the latest)."""
     files = list(Ledger(args.path, run="inspect", rank=0, world_size=1).rank_files())
     return files, _watermark(args, files)
 
 
-def _watermark(args: argparse.Namespace, files: list[_RankFile]) -> Watermark:
+def _watermark(args: argparse.Namespace, files: list[RankFile]) -> Watermark:
     if args.lineage:
-        return dict(args.lineage), {}
+        return args.lineage
     if args.checkpoint:
         found = _watermark_from_checkpoint(args.checkpoint)
         return found["lineage"], found.get("steps") or {}
@@ -111,7 +123,7 @@ def _find_watermark(record: Any) -> dict[str, Any] | None:
     return None
 
 
-def _epochs(files: list[_RankFile], watermark: Watermark) -> dict[int, ConsumedSet]:
+def _epochs(files: list[RankFile], watermark: Watermark) -> dict[int, ConsumedSet]:
     epochs: dict[int, ConsumedSet] = defaultdict(ConsumedSet)
     for rank_file in files:
         for commit in rank_file.commits:
@@ -139,7 +151,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(f"{args.path}: no ledger files")
         return 1
     print("runs:")
-    runs: dict[str, list[_RankFile]] = defaultdict(list)
+    runs: dict[str, list[RankFile]] = defaultdict(list)
     for rank_file in files:
         runs[rank_file.run].append(rank_file)
     for run, rank_files in runs.items():
@@ -150,9 +162,11 @@ def cmd_show(args: argparse.Namespace) -> int:
             step = at_steps.get(run)
             status = f"counted up to step {step}" if step is not None else f"counted up to commit {lineage[run]}"
         last_step = max(steps) if steps else "-"
+        parent = rank_files[0].parent  # (the watermark the run resumed from)
+        started = "from " + ",".join(f"{r}={c}" for r, c in sorted(parent.items())) if parent else "fresh"
         print(
             f"  {run}: {len(rank_files)} ranks (world size {rank_files[0].world_size}), {commits} commits, "
-            f"last step {last_step}; {status}"
+            f"last step {last_step}, started {started}; {status}"
         )
     epochs = _epochs(files, watermark)
     sizes: dict[str, int] = {}
