@@ -488,6 +488,55 @@ def test_ledger_refuses_a_dataset_that_repeats_inside_the_loader(tmp_path, urls)
         next(wds.Ledger(str(tmp_path / "l"), run="r").track(loader))
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_uneven_shares_then_an_elastic_resume_serve_every_sample_once(tmp_path, urls, monkeypatch, workers) -> None:
+    """12 shards over 5 ranks: shares of 3, 3, 2, 2 and 2 shards (8 and 5 batches of 4). The ranks whose
+    share runs out go on checkpointing at the steps all ranks share, as ranks of a training job do while
+    the others finish; the others take one more batch after the last checkpoint and die with it. A run
+    of 2 ranks then resumes elastically from each rank's own checkpoint: what the first run delivered up
+    to its checkpoint and what the second delivers are every sample exactly once."""
+    path, last_step = str(tmp_path / "l"), 7  # after the 2-shard ranks ran out, before the others did
+
+    def loader():
+        dataset = wds.WebDataset(urls, shardshuffle=100, seed=3, nodesplitter=wds.split_by_node)
+        return wds.WebLoader(dataset.shuffle(20, seed=3).batched(4), batch_size=None, num_workers=workers)
+
+    def positions(batch) -> list[tuple[str, int]]:
+        return list(zip(batch["__url__"], map(int, batch["__ordinal__"]), strict=True))
+
+    delivered: Counter = Counter()
+    saved: dict[int, dict] = {}
+    ran_out: set[int] = set()
+    monkeypatch.setenv("WORLD_SIZE", "5")
+    for rank in range(5):  # (ranks run one after the other: nothing is shared between them but the ledger)
+        monkeypatch.setenv("RANK", str(rank))
+        ledger, first = wds.Ledger(path, run="first", rank=rank, world_size=5), loader()
+        assert ledger.resume(first, None) == "fresh"
+        batches = iter(ledger.track(first))
+        for step in range(1, last_step + 1):
+            batch = next(batches, None)
+            if batch is None:
+                ran_out.add(rank)
+            else:
+                delivered.update(positions(batch))
+            if step % 3 == 0 or step == last_step:
+                saved[rank] = ledger.checkpoint(first, step)
+        lost = next(batches, None)  # delivered after the last checkpoint: the crash loses it
+        assert (lost is None) == (rank in ran_out)
+    assert ran_out == {2, 3, 4}
+    assert all(saved[rank]["ledger"]["epoch"] == 0 for rank in range(5))
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank in range(2):
+        monkeypatch.setenv("RANK", str(rank))
+        ledger, second = wds.Ledger(path, run="second", rank=rank, world_size=2), loader()
+        assert ledger.resume(second, saved[rank]) == "elastic"
+        for batch in ledger.track(second):
+            delivered.update(positions(batch))
+    assert set(delivered) == everything(urls)
+    assert max(delivered.values()) == 1, delivered.most_common(3)
+
+
 # -- real processes, SIGKILL, changing world sizes -------------------------------------------------
 
 
