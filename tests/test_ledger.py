@@ -229,6 +229,20 @@ def test_ledger_on_s3(s3_bucket) -> None:
     }
 
 
+def test_ledger_merge_refuses_an_existing_output_on_s3(s3_bucket, tmp_path, capsys) -> None:
+    """S3 has no directories: an output prefix holding another ledger's files was merged into."""
+    source = wds.Ledger(str(tmp_path / "l"), run="r", rank=0, world_size=1)
+    source.record({"__url__": ["a.tar"], "__ordinal__": [1]}, epoch=0)
+    source.commit(1)
+    output = f"s3://{s3_bucket}/taken"
+    wds.Ledger(output, run="other", rank=0, world_size=1).commit(1)
+    before = list(wds.Ledger(output, run="check").files())
+    assert _ledger_cli("merge", str(tmp_path / "l"), "--output", output) == 1
+    assert "exists already" in capsys.readouterr().err
+    assert list(wds.Ledger(output, run="check").files()) == before
+    assert _ledger_cli("merge", str(tmp_path / "l"), "--output", f"s3://{s3_bucket}/free") == 0
+
+
 # -- elastic resume in one process -----------------------------------------------------------------
 
 

@@ -12,7 +12,7 @@ from typing import Any
 from .errors import IndexFormatError
 from .index import Manifest, ShardIndex
 from .ledger import ConsumedSet, Ledger, LedgerError, RankFile, counted
-from .storage import remove
+from .storage import local_path, remove
 
 
 def add_ledger_commands(commands: Any) -> None:
@@ -190,12 +190,20 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def cmd_merge(args: argparse.Namespace) -> int:
     files, watermark = _rank_files(args)
-    if os.path.exists(args.output):
+    if _ledger_exists(args.output):
         raise LedgerError(args.output, "the output ledger exists already")
     merged = Ledger(args.output, run="merged", rank=0, world_size=1)
     merged.pending = _epochs(files, watermark)
     print(json.dumps(merged.commit()))
     return 0
+
+
+def _ledger_exists(url: str) -> bool:
+    """A local directory that is there, or an S3 prefix holding ledger files (S3 has no directories)."""
+    path = local_path(url)
+    if path is not None:
+        return os.path.exists(path)
+    return next(iter(Ledger(url, run="inspect", rank=0, world_size=1).files()), None) is not None
 
 
 def cmd_rewind(args: argparse.Namespace) -> int:
