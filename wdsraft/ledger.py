@@ -226,12 +226,21 @@ def default_run_id(world_size: int = 1) -> str:
 class RankFile:
     """One (run, rank) file: its commits, rewritten whole and atomically at each commit."""
 
-    def __init__(self, url: str, run: str, rank: int, world_size: int, parent: dict[str, int]):
+    def __init__(
+        self,
+        url: str,
+        run: str,
+        rank: int,
+        world_size: int,
+        parent: dict[str, int],
+        parent_steps: dict[str, int | None] | None = None,
+    ):
         self.url = url
         self.run = run
         self.rank = rank
         self.world_size = world_size
-        self.parent = parent
+        self.parent = parent  # the watermark the run resumed from: earlier runs -> commit (and step)
+        self.parent_steps = parent_steps or {}
         self.commits: list[dict[str, Any]] = []
 
     def to_bytes(self) -> bytes:
@@ -241,6 +250,7 @@ class RankFile:
                 "rank": self.rank,
                 "world_size": self.world_size,
                 "parent": self.parent,
+                "parent_steps": self.parent_steps,
                 "commits": self.commits,
             },
             use_bin_type=True,
@@ -272,7 +282,9 @@ class RankFile:
         if hashlib.sha256(body).hexdigest() != outer.get("sha256"):
             raise LedgerError(url, "checksum mismatch: the file is torn or corrupt")
         record = msgpack.unpackb(body, raw=False, strict_map_key=False)
-        loaded = cls(url, record["run"], record["rank"], record["world_size"], record["parent"])
+        loaded = cls(
+            url, record["run"], record["rank"], record["world_size"], record["parent"], record.get("parent_steps")
+        )
         loaded.commits = record["commits"]
         return loaded
 
@@ -355,7 +367,9 @@ class Ledger:
         if self._file is None:
             url = self._rank_url()
             self._refuse_reused_run(url)
-            self._file = RankFile(url, self.run, self.rank, self.world_size, dict(self.lineage))
+            self._file = RankFile(
+                url, self.run, self.rank, self.world_size, dict(self.lineage), dict(self.lineage_steps)
+            )
         commit = {
             "commit": self.commit_number + 1,
             "step": step,
@@ -397,7 +411,8 @@ class Ledger:
         paginator = s3_client().get_paginator("list_objects_v2")
         keys = [
             item["Key"]
-            for page in paginator.paginate(Bucket=bucket, Prefix=prefix.rstrip("/") + "/")
+            # (a ledger at the bucket's root lists the whole bucket: Prefix="/" would list nothing)
+            for page in paginator.paginate(Bucket=bucket, Prefix=prefix.rstrip("/") + "/" if prefix else "")
             for item in page.get("Contents", [])
             if item["Key"].endswith(SUFFIX)
         ]

@@ -73,9 +73,13 @@ def _lineage_argument(text: str) -> Watermark:
             raise argparse.ArgumentTypeError(
                 f"{item!r} is not RUN=COMMIT or RUN=COMMIT@STEP (a run id, a commit number, a training step)"
             )
+        if run in lineage:
+            raise argparse.ArgumentTypeError(f"run {run!r} is named twice")
         lineage[run] = int(commit)
         if at:
             steps[run] = int(step)
+    if not lineage:  # (an empty watermark would count nothing, and rewind --prune would delete every file)
+        raise argparse.ArgumentTypeError("no RUN=COMMIT[@STEP] given")
     return lineage, steps
 
 
@@ -86,7 +90,7 @@ def _rank_files(args: argparse.Namespace) -> tuple[list[RankFile], Watermark]:
 
 
 def _watermark(args: argparse.Namespace, files: list[RankFile]) -> Watermark:
-    if args.lineage:
+    if args.lineage is not None:
         return args.lineage
     if args.checkpoint:
         found = _watermark_from_checkpoint(args.checkpoint)
@@ -162,8 +166,9 @@ def cmd_show(args: argparse.Namespace) -> int:
             step = at_steps.get(run)
             status = f"counted up to step {step}" if step is not None else f"counted up to commit {lineage[run]}"
         last_step = max(steps) if steps else "-"
-        parent = rank_files[0].parent  # (the watermark the run resumed from)
-        started = "from " + ",".join(f"{r}={c}" for r, c in sorted(parent.items())) if parent else "fresh"
+        # The watermark the run resumed from, as --lineage takes it (ranks' own commit numbers may differ).
+        parents = sorted({_lineage_text(f.parent, f.parent_steps) for f in rank_files})
+        started = "from " + " or ".join(parents) if parents != [""] else "fresh"
         print(
             f"  {run}: {len(rank_files)} ranks (world size {rank_files[0].world_size}), {commits} commits, "
             f"last step {last_step}, started {started}; {status}"
@@ -198,6 +203,13 @@ def cmd_merge(args: argparse.Namespace) -> int:
     return 0
 
 
+def _lineage_text(lineage: dict[str, int], steps: dict[str, Any]) -> str:
+    marks = (
+        f"{run}={commit}" + (f"@{steps[run]}" if steps.get(run) is not None else "") for run, commit in lineage.items()
+    )
+    return ",".join(sorted(marks))
+
+
 def _ledger_exists(url: str) -> bool:
     """A local directory that is there, or an S3 prefix holding ledger files (S3 has no directories)."""
     path = local_path(url)
@@ -222,7 +234,9 @@ def cmd_rewind(args: argparse.Namespace) -> int:
             dropped = len(rank_file.commits) - len(kept)
             rank_file.commits = kept
             rank_file.save()
-            print(f"{rank_file.url}: dropped {dropped} commits after {lineage[rank_file.run]}")
+            step = watermark[1].get(rank_file.run)
+            mark = f"step {step}" if step is not None else f"commit {lineage[rank_file.run]}"
+            print(f"{rank_file.url}: dropped {dropped} commits after {mark}")
     return 0
 
 
