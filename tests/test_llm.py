@@ -586,14 +586,25 @@ def _mask_first_sequence_tokens(sequence):
     return sequence
 
 
-@pytest.mark.parametrize("where", ["map_before_batched", "map_after_batched", "own_collation", "wrapping_dataset"])
+class _MaskingConcatChunk(wds.llm.ConcatChunk):
+    def _sequence(self, pieces):
+        return _mask_first_sequence_tokens(super()._sequence(pieces))
+
+
+@pytest.mark.parametrize(
+    "where", ["map_before_batched", "subclassed_stage", "map_after_batched", "own_collation", "wrapping_dataset"]
+)
 def test_batches_changed_in_place_in_a_worker_cross_changed(urls, cl100k, where) -> None:
     """A batch skips the compact form's full check only when ``batched``'s own collation, as the worker
     dataset's last stage, made it from sequences straight from a sequence stage; labels changed any
     other way still arrive."""
 
     def loader(workers: int):
-        dataset = wds.WebDataset(urls, shardshuffle=False).tokenize(cl100k, batch_size=5).concat_chunk(LENGTH)
+        dataset = wds.WebDataset(urls, shardshuffle=False).tokenize(cl100k, batch_size=5)
+        if where == "subclassed_stage":
+            dataset = dataset.compose(_MaskingConcatChunk(LENGTH))
+        else:
+            dataset = dataset.concat_chunk(LENGTH)
         if where == "map_before_batched":
             dataset = dataset.map(_mask_first_sequence_tokens)
         if where == "own_collation":

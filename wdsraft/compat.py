@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlparse
 
+import torch.utils.data
 from torch.utils.data import default_convert, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 from webdataset import shardlists as webdataset_shardlists
@@ -344,7 +345,9 @@ class WebLoader(DataPipeline, FluidInterface):
             kw["collate_fn"] = convert_batch
         if "snapshot_every_n_steps" not in given:
             kw["snapshot_every_n_steps"] = self.snapshot_interval(
-                given.get("num_workers", 0), given.get("prefetch_factor")
+                given.get("num_workers", 0),
+                given.get("prefetch_factor"),
+                iterable=isinstance(given.get("dataset"), torch.utils.data.IterableDataset),
             )
         with warnings.catch_warnings():  # torchdata 0.11 calls a deprecated torch API on every construction
             warnings.filterwarnings("ignore", message=".*set_vital.*is deprecated")
@@ -352,18 +355,20 @@ class WebLoader(DataPipeline, FluidInterface):
         super().__init__(LoaderSource(loader))
 
     @classmethod
-    def snapshot_interval(cls, num_workers: int, prefetch_factor: int | None) -> int:
+    def snapshot_interval(cls, num_workers: int, prefetch_factor: int | None, iterable: bool = True) -> int:
         """The default ``snapshot_every_n_steps``: at least ``snapshot_every_n_steps``, and long enough
         that at most one batch in ``snapshot_sparsity`` carries a worker's state.
 
         For an ``IterableDataset`` torchdata cannot tell which worker's batch will be handed out at a
         snapshot step, so it asks for the state with every batch requested within
         ``num_workers * (prefetch_factor + 1) + 1`` steps before one: with a deep prefetch (64 batches
-        per worker) and a 64-step interval that was every batch.
+        per worker) and a 64-step interval that was every batch. A map-style dataset's window is
+        ``num_workers`` steps.
         """
         if num_workers <= 0:
             return cls.snapshot_every_n_steps
-        window = num_workers * ((2 if prefetch_factor is None else prefetch_factor) + 1) + 1
+        prefetch = 2 if prefetch_factor is None else prefetch_factor
+        window = num_workers * (prefetch + 1) + 1 if iterable else num_workers
         return max(cls.snapshot_every_n_steps, cls.snapshot_sparsity * window)
 
     @property

@@ -791,8 +791,9 @@ def pack_bestfit(length: int, buffer: int = 1024, pad_id: int = 0) -> PackBestFi
 
 
 def builds_sequences(stage: Any) -> bool:
-    """Whether ``stage`` is one of the stages that make sequences with ``build_sequence``."""
-    return isinstance(stage, (_SequenceStage, pad))
+    """Whether ``stage`` is one of the stages that make sequences with ``build_sequence`` (exactly: a
+    subclass may change what they hold)."""
+    return type(stage) in (ConcatChunk, Chunk, PackBestFit, pad)
 
 
 def is_sequence(item: Any) -> bool:
