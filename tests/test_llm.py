@@ -730,3 +730,12 @@ print(json.dumps([s["input_ids"].tolist() for s in pipeline]))
 """
     out = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True).stdout
     assert json.loads(out.strip().splitlines()[-1]) == expected
+
+
+def test_pad_takes_items_without_an_offset() -> None:
+    """A map that rebuilt the item may keep ``__url__`` and ``__ordinal__`` only (the other stages
+    already took that); ``pad`` raised KeyError."""
+    item = {"__url__": "u.tar", "__ordinal__": 3, "input_ids": np.arange(5, dtype=np.uint32)}
+    (sequence,) = wds.llm.pad(8)(iter([item]))
+    assert sequence["__provenance__"] == [["u.tar", 3, None, 0, 5, True]]
+    assert sequence["attention_mask"].tolist() == [1] * 5 + [0] * 3

@@ -589,6 +589,7 @@ class ConcatChunk(_SequenceStage):
             out = list(held)
             held.clear()
             yield self._emit(ctx, out)
+        held.clear()  # (empty documents after the last sequence: nothing to hand out, nothing to re-read)
 
     def _full_sequences(self, ctx: Context, held: list[Piece], total: int) -> Generator[Any, None, int]:
         """Hand out every full sequence the held tokens (``total`` of them) make; returns what is left."""
@@ -684,7 +685,7 @@ class pad:
 
 def _item_address(item: dict[str, Any]) -> Address | None:
     if "__url__" in item and "__ordinal__" in item:
-        return (item["__url__"], item["__ordinal__"], item["__offset__"], 0)
+        return (item["__url__"], item["__ordinal__"], item.get("__offset__"), 0)  # (a map may have dropped it)
     return None
 
 
