@@ -739,3 +739,24 @@ def test_pad_takes_items_without_an_offset() -> None:
     (sequence,) = wds.llm.pad(8)(iter([item]))
     assert sequence["__provenance__"] == [["u.tar", 3, None, 0, 5, True]]
     assert sequence["attention_mask"].tolist() == [1] * 5 + [0] * 3
+
+
+class _CharIds(wds.llm.TokenizerAdapter):
+    name = "chars"
+
+    def encode_batch(self, texts):
+        return [np.frombuffer(text.encode(), dtype=np.uint8).astype(np.uint32) for text in texts]
+
+
+def test_concat_chunk_forgets_empty_documents_after_its_last_sequence(tmp_path) -> None:
+    """Empty documents after the last full sequence make no sequence: a state taken after it holds none
+    of them (it held them, and a restore re-read them for nothing)."""
+    url = str(tmp_path / "empty-tail.tar")
+    with wds.TarWriter(url) as sink:
+        for key, text in (("a", "abcd"), ("b", ""), ("c", "")):
+            sink.write({"__key__": key, "txt": text})
+    pipeline = wds.WebDataset([url], shardshuffle=False).tokenize(_CharIds()).concat_chunk(4).batched(2)
+    batch = next(iter(pipeline))  # the last, partial batch: concat_chunk has seen the whole input
+    assert batch["__provenance__"] == [[[url, 0, 0, 0, 4, True]]]
+    held = [stage["spans"] for stage in pipeline.state_dict()["stages"].values() if "spans" in stage]
+    assert held == [[]]
