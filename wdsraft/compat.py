@@ -16,8 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlparse
 
-import torch.utils.data
-from torch.utils.data import default_convert, get_worker_info
+from torch.utils.data import IterableDataset, default_convert, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 from webdataset import shardlists as webdataset_shardlists
 from webdataset.compat import FluidInterface as WebdatasetFluidInterface
@@ -347,7 +346,7 @@ class WebLoader(DataPipeline, FluidInterface):
             kw["snapshot_every_n_steps"] = self.snapshot_interval(
                 given.get("num_workers", 0),
                 given.get("prefetch_factor"),
-                iterable=isinstance(given.get("dataset"), torch.utils.data.IterableDataset),
+                iterable=isinstance(given.get("dataset"), IterableDataset),
             )
         with warnings.catch_warnings():  # torchdata 0.11 calls a deprecated torch API on every construction
             warnings.filterwarnings("ignore", message=".*set_vital.*is deprecated")

@@ -215,7 +215,7 @@ def _ledger_exists(url: str) -> bool:
     path = local_path(url)
     if path is not None:
         return os.path.exists(path)
-    return next(iter(Ledger(url, run="inspect", rank=0, world_size=1).files()), None) is not None
+    return bool(Ledger(url, run="inspect", rank=0, world_size=1).files())
 
 
 def cmd_rewind(args: argparse.Namespace) -> int:

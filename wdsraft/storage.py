@@ -15,7 +15,7 @@ from typing import IO, Any, cast
 from urllib.parse import urlparse
 from urllib.request import url2pathname
 
-from .gopen import gopen
+from .gopen import gopen, s3_client
 
 logger = logging.getLogger(__name__)
 
@@ -101,8 +101,6 @@ def remove(url: str) -> None:
         os.remove(path)
         return
     if is_s3(url):
-        from .gopen import s3_client
-
         bucket, _, key = url.removeprefix("s3://").partition("/")
         s3_client().delete_object(Bucket=bucket, Key=key)
         return
@@ -114,8 +112,6 @@ def exists(url: str) -> bool:
     path = local_path(url)
     if path is not None:
         return os.path.exists(path)
-    from .gopen import s3_client
-
     bucket, _, key = url.removeprefix("s3://").partition("/")
     try:
         s3_client().head_object(Bucket=bucket, Key=key)
