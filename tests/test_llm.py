@@ -6,6 +6,7 @@ import itertools
 import json
 import os
 import pickle
+import threading
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -692,13 +693,48 @@ def test_tokenize_keeps_batches_queued_while_it_hands_one_out(urls) -> None:
     ][1:]
 
 
-def test_fast_tokenizer_thread_count(hf_fast, monkeypatch, caplog) -> None:
-    monkeypatch.delenv("RAYON_NUM_THREADS", raising=False)
-    wds.as_tokenizer(hf_fast, num_threads=3)
-    assert os.environ["RAYON_NUM_THREADS"] == "3"
+def test_fast_tokenizer_encodes_serial_runs_on_its_own_threads(hf_fast, monkeypatch, caplog) -> None:
+    """One serial batch call per thread and run (the Rust library's own parallelism switched off in the
+    process that encodes), in order, with the same ids as the tokenizer's own batch call."""
+    texts = [f"document {n} " * (n % 7 + 1) for n in range(40)]
+    expected = [e.ids for e in hf_fast.backend_tokenizer.encode_batch(texts, add_special_tokens=False)]
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "unset-by-the-test")
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM")
+    adapter = wds.as_tokenizer(hf_fast, num_threads=3)
+    runs: list[tuple[str, int]] = []
+    encode_run = adapter._encode_run
+
+    def recording(run):
+        runs.append((threading.current_thread().name, len(run)))
+        return encode_run(run)
+
+    monkeypatch.setattr(adapter, "_encode_run", recording)
+    assert [ids.tolist() for ids in adapter.submit(texts)()] == expected
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "false"
+    assert len(runs) == 3 and sum(n for _, n in runs) == len(texts)
+    assert all(name.startswith("wdsraft-tokenize") for name, _ in runs)
+    assert adapter._executor()._max_workers == 3
+
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")  # the user's choice is kept, with a warning
     with caplog.at_level("WARNING", logger="wdsraft.llm"):
-        wds.as_tokenizer(hf_fast, num_threads=2)  # Rayon reads it once: the first value stays, with a warning
-    assert os.environ["RAYON_NUM_THREADS"] == "3" and "num_threads=2 ignored" in caplog.text
+        other = wds.as_tokenizer(hf_fast, num_threads=2)
+        assert [ids.tolist() for ids in other.submit(texts)()] == expected
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "true" and "TOKENIZERS_PARALLELISM=true" in caplog.text
+
+
+class _ThreadCounts(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        yield wds.llm.thread_count(None), wds.llm.thread_count(3)
+
+
+def test_tokenizer_threads_default_to_one_per_worker_and_every_core_elsewhere(cl100k, urls) -> None:
+    assert wds.llm.thread_count(None) == wds.llm.available_cores() and wds.llm.thread_count(0) == 1
+    in_worker = list(torch.utils.data.DataLoader(_ThreadCounts(), batch_size=None, num_workers=1))
+    assert [tuple(counts) for counts in in_worker] == [(1, 3)]
+    adapter = wds.as_tokenizer(cl100k)  # resolved where it encodes, not where it is built
+    assert adapter.num_threads is None
+    list(documents(urls, adapter))
+    assert adapter._executor()._max_workers == wds.llm.available_cores()
 
 
 def get_text(sample) -> str:

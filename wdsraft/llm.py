@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .pipeline import Address, AddressTracker, Context, Stage, pack_addresses, unpack_addresses
+from .pipeline import Address, AddressTracker, Context, Stage, in_dataloader_worker, pack_addresses, unpack_addresses
 from .state import StateMismatchError, describe
 
 __all__ = [
@@ -116,32 +116,67 @@ class TokenizerAdapter:
 
 
 class _ThreadedAdapter(TokenizerAdapter):
-    """An adapter with a thread pool, created on first use (pools do not cross into DataLoader workers)."""
+    """An adapter that encodes on threads of its own, created on first use in each process (pools do not
+    cross into DataLoader workers): ``num_threads`` of them, by default one in a DataLoader worker
+    (the workers are the parallelism) and every available core elsewhere.
 
-    _threads = 1
+    A batch is cut into one run of documents per thread, balanced by text length, and each run is
+    encoded by one serial call that releases the GIL. Runs of the next batches wait in the pool's
+    queue, so a thread whose run is done takes the next batch's instead of idling until the
+    batch's stragglers finish (a parallel batch call idles its threads at the end of every batch).
+    """
+
+    num_threads: int | None = None
 
     def _executor(self) -> ThreadPoolExecutor:
         pool, owner = self.__dict__.get("_pool"), self.__dict__.get("_pool_pid")
         if pool is None or owner != os.getpid():  # a forked DataLoader worker has none of its parent's threads
-            pool = self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="wdsraft-tokenize")
+            self._pool_threads = thread_count(self.num_threads)
+            self._prepare_process()
+            pool = self._pool = ThreadPoolExecutor(self._pool_threads, thread_name_prefix="wdsraft-tokenize")
             self._pool_pid = os.getpid()
         return pool
 
+    def _prepare_process(self) -> None:
+        """Called once in each process that encodes, before its first run."""
+
+    def _encode_run(self, texts: list[str]) -> list[np.ndarray]:
+        raise NotImplementedError
+
+    def submit(self, texts: list[str]) -> Callable[[], list[np.ndarray]]:
+        pool = self._executor()
+        futures = [pool.submit(self._encode_run, run) for run in _balanced_runs(texts, self._pool_threads)]
+        return lambda: [ids for future in futures for ids in future.result()]
+
     def __getstate__(self) -> dict[str, Any]:
-        return {key: value for key, value in self.__dict__.items() if key not in ("_pool", "_pool_pid")}
+        per_process = ("_pool", "_pool_pid", "_pool_threads")
+        return {key: value for key, value in self.__dict__.items() if key not in per_process}
+
+
+def thread_count(requested: int | None) -> int:
+    """``requested`` threads, or by default one in a DataLoader worker and every available core elsewhere."""
+    if requested is not None:
+        return max(1, requested)
+    return 1 if in_dataloader_worker() else available_cores()
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity, as Rayon counts them)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # (not Linux)
+        return os.cpu_count() or 1
 
 
 class TiktokenTokenizer(_ThreadedAdapter):
     """A tiktoken ``Encoding``: special-token text is encoded as ordinary text, as ``encode_ordinary``.
 
-    A batch is cut into one run of documents per thread, balanced by text length, each
-    encoded with ``encode_to_numpy`` (no Python list of ints per document): one task per
-    thread and batch instead of one per document.
+    A run is encoded with ``encode_to_numpy`` (no Python list of ints per document).
     """
 
-    def __init__(self, encoding: Any, num_threads: int = 1):
+    def __init__(self, encoding: Any, num_threads: int | None = None):
         self.encoding = encoding
-        self.num_threads = self._threads = max(1, num_threads)
+        self.num_threads = num_threads
         self.eos_id = encoding.eot_token
         self.name = f"tiktoken:{encoding.name}"
 
@@ -164,11 +199,6 @@ class TiktokenTokenizer(_ThreadedAdapter):
         encode = self.encoding.encode_to_numpy
         return [encode(text, disallowed_special=()) for text in texts]
 
-    def submit(self, texts: list[str]) -> Callable[[], list[np.ndarray]]:
-        runs = _balanced_runs(texts, self.num_threads)
-        futures = [self._executor().submit(self._encode_run, run) for run in runs]
-        return lambda: [ids for future in futures for ids in future.result()]
-
 
 def _balanced_runs(texts: list[str], count: int) -> list[list[str]]:
     """``texts`` cut into at most ``count`` consecutive runs of about equal total length."""
@@ -187,19 +217,16 @@ def _balanced_runs(texts: list[str], count: int) -> list[list[str]]:
 class HFTokenizer(_ThreadedAdapter):
     """A ``tokenizers.Tokenizer`` or a transformers fast tokenizer (its Rust backend does the work).
 
-    The backend spreads one batch over its own (Rayon) threads; each batch ``tokenize`` keeps in
-    flight is submitted from a Python thread of its own, so that all wait in Rayon's queue and the
-    next batch fills the cores while the last one's stragglers finish.
+    A run is one ``encode_batch_fast`` call, serial in the calling thread: the process's
+    ``TOKENIZERS_PARALLELISM`` is set to ``false`` where unset (``_prepare_process``). Left to
+    its Rayon pool, the batch call idles the cores at the end of every batch, and batches
+    submitted from several threads nest on Rayon's stacks, so results arrive in bursts.
     """
-
-    _threads = QUEUED_BATCHES + 1
 
     def __init__(self, tokenizer: Any, num_threads: int | None = None):
         backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
         self.backend = backend
         self.num_threads = num_threads
-        if num_threads is not None:
-            _ask_rayon_threads(num_threads)
         self.bos_id = getattr(tokenizer, "bos_token_id", None)
         self.eos_id = getattr(tokenizer, "eos_token_id", None)
         self.pad_id = getattr(tokenizer, "pad_token_id", None)
@@ -211,26 +238,30 @@ class HFTokenizer(_ThreadedAdapter):
         # same process goes unnoticed).
         return _digest_of(self.backend, lambda: hashlib.sha256(self.backend.to_str().encode()).hexdigest()[:16])
 
-    def _encode(self, texts: list[str]) -> list[np.ndarray]:
+    def _prepare_process(self) -> None:
+        # The Rust library reads the variable at every batch call; there is no other switch.
+        current = os.environ.get("TOKENIZERS_PARALLELISM")
+        if current is None:
+            os.environ["TOKENIZERS_PARALLELISM"] = "false"
+            logger.info(
+                "tokenize: TOKENIZERS_PARALLELISM=false in process %d (tokenize encodes on its own %d threads)",
+                os.getpid(),
+                self._pool_threads,
+            )
+        elif current.lower() not in ("", "off", "false", "f", "no", "n", "0"):
+            logger.warning(
+                "tokenize: TOKENIZERS_PARALLELISM=%s: each of tokenize's %d threads hands its run to the Rayon "
+                "pool, which idles the cores at the end of every run; unset it or set it to false",
+                current,
+                self._pool_threads,
+            )
+
+    def _encode_run(self, texts: list[str]) -> list[np.ndarray]:
         encode = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
         # array.array takes the list of ids at C speed; numpy then wraps its buffer without a copy.
         return [
             np.frombuffer(array.array("I", e.ids), dtype=np.uint32) for e in encode(texts, add_special_tokens=False)
         ]
-
-    def submit(self, texts: list[str]) -> Callable[[], list[np.ndarray]]:
-        return self._executor().submit(self._encode, texts).result
-
-
-def _ask_rayon_threads(count: int) -> None:
-    """The fast tokenizer's thread count: Rust's Rayon reads ``RAYON_NUM_THREADS`` once, when its pool
-    starts (the first parallel encode in the process), and there is no other way to set it."""
-    current = os.environ.get("RAYON_NUM_THREADS")
-    if current is None:
-        os.environ["RAYON_NUM_THREADS"] = str(count)
-        logger.info("tokenize: RAYON_NUM_THREADS=%d (effective unless the tokenizer already ran here)", count)
-    elif current != str(count):
-        logger.warning("tokenize: num_threads=%d ignored, RAYON_NUM_THREADS is already %s", count, current)
 
 
 def as_tokenizer(tokenizer: Any, num_threads: int | None = None) -> TokenizerAdapter:
@@ -238,7 +269,7 @@ def as_tokenizer(tokenizer: Any, num_threads: int | None = None) -> TokenizerAda
     if isinstance(tokenizer, TokenizerAdapter):
         return tokenizer
     if hasattr(tokenizer, "encode_ordinary_batch") and hasattr(tokenizer, "eot_token"):
-        return TiktokenTokenizer(tokenizer, num_threads or 1)
+        return TiktokenTokenizer(tokenizer, num_threads)
     if hasattr(tokenizer, "encode_batch") or hasattr(tokenizer, "backend_tokenizer"):
         return HFTokenizer(tokenizer, num_threads)
     raise TypeError(

@@ -311,7 +311,7 @@ class DataPipeline(IterableDataset, PipelineStage):
             first_epoch = pending["epoch"]
             if pending.get("finished"):
                 self.epoch = first_epoch - 1
-                if _in_dataloader_worker():
+                if in_dataloader_worker():
                     # Saved at the very end of the worker's epoch: it must report exhaustion now, as
                     # StatefulDataLoader expects; the next iter() starts the following epoch.
                     done = _Iteration(self, info, first_epoch, None)
@@ -444,7 +444,7 @@ def config_text(config: dict[str, Any]) -> str:
     return json.dumps(describe(config), sort_keys=True, separators=(",", ":"))
 
 
-def _in_dataloader_worker() -> bool:
+def in_dataloader_worker() -> bool:
     import torch.utils.data
 
     return torch.utils.data.get_worker_info() is not None
