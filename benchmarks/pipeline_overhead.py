@@ -10,7 +10,7 @@ the crossing to the training process. Workers run as in ``tokens.py`` (``prefetc
 ``WebLoader``'s default snapshot interval), and once more sending their state with every batch
 (``snapshot_every_n_steps=1``, torchdata's default). Reported in CPU seconds (all processes),
 side by side with the CPU seconds the tokenizers themselves take for the same texts (tiktoken
-in one thread, the fast tokenizer on one Rayon thread), and as a share of those. Best of
+and the fast tokenizer each in one thread), and as a share of those. Best of
 ``--rounds``.
 """
 
@@ -79,7 +79,7 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=HERE / "output" / "overhead")
     args = parser.parse_args()
     warnings.simplefilter("ignore", UserWarning)
-    os.environ.setdefault("RAYON_NUM_THREADS", "1")  # the fast tokenizer on one thread: CPU per token, no idling
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the fast tokenizer serial, as tokenize runs it: CPU per token
 
     shutil.rmtree(args.workdir, ignore_errors=True)
     args.workdir.mkdir(parents=True)
@@ -93,7 +93,7 @@ def main() -> None:
 
     tokenizers = {
         "tiktoken (1 thread)": lambda batch: [encoding.encode_to_numpy(t, disallowed_special=()) for t in batch],
-        "HF fast (1 Rayon thread)": fast_ids,
+        "HF fast (1 thread)": fast_ids,
     }
     raw = {name: min(tokenizer_cpu(texts, run) for _ in range(args.rounds)) for name, run in tokenizers.items()}
     settings: dict[str, tuple[int, dict[str, int]]] = {
