@@ -20,6 +20,14 @@ REPO = Path(__file__).resolve().parent.parent
 SAMPLE_CORPUS = REPO / "examples" / "data" / "kernel-docs-sample.jsonl.zst"
 
 
+@pytest.fixture(autouse=True)
+def _tokenizers_parallelism_per_test(monkeypatch) -> None:
+    """tokenize sets TOKENIZERS_PARALLELISM in the process that encodes: each test starts without it and
+    leaves none behind (so results do not depend on test order)."""
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "recorded-for-undo")  # (a bare delenv of an unset one records nothing)
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM")
+
+
 @functools.lru_cache(maxsize=1)
 def _corpus_records() -> tuple[dict, ...]:
     with open(SAMPLE_CORPUS, "rb") as raw:

@@ -695,26 +695,26 @@ def test_tokenize_keeps_batches_queued_while_it_hands_one_out(urls) -> None:
 
 def test_fast_tokenizer_encodes_serial_runs_on_its_own_threads(hf_fast, monkeypatch, caplog) -> None:
     """One serial batch call per thread and run (the Rust library's own parallelism switched off in the
-    process that encodes), in order, with the same ids as the tokenizer's own batch call."""
+    process that encodes, before its first run), in order, with the same ids as the tokenizer's own call."""
     texts = [f"document {n} " * (n % 7 + 1) for n in range(40)]
     expected = [e.ids for e in hf_fast.backend_tokenizer.encode_batch(texts, add_special_tokens=False)]
-    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "unset-by-the-test")
-    monkeypatch.delenv("TOKENIZERS_PARALLELISM")
     adapter = wds.as_tokenizer(hf_fast, num_threads=3)
-    runs: list[tuple[str, int]] = []
+    runs: list[tuple[str, int, str | None]] = []
     encode_run = adapter._encode_run
 
     def recording(run):
-        runs.append((threading.current_thread().name, len(run)))
+        runs.append((threading.current_thread().name, len(run), os.environ.get("TOKENIZERS_PARALLELISM")))
         return encode_run(run)
 
     monkeypatch.setattr(adapter, "_encode_run", recording)
-    assert [ids.tolist() for ids in adapter.submit(texts)()] == expected
-    assert os.environ["TOKENIZERS_PARALLELISM"] == "false"
-    assert len(runs) == 3 and sum(n for _, n in runs) == len(texts)
-    assert all(name.startswith("wdsraft-tokenize") for name, _ in runs)
+    with caplog.at_level("WARNING", logger="wdsraft.llm"):
+        assert [ids.tolist() for ids in adapter.submit(texts)()] == expected
+    assert "set TOKENIZERS_PARALLELISM=false in this process" in caplog.text
+    assert len(runs) == 3 and sum(n for _, n, _ in runs) == len(texts)
+    assert all(name.startswith("wdsraft-tokenize") and setting == "false" for name, _, setting in runs)
     assert adapter._executor()._max_workers == 3
 
+    caplog.clear()
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")  # the user's choice is kept, with a warning
     with caplog.at_level("WARNING", logger="wdsraft.llm"):
         other = wds.as_tokenizer(hf_fast, num_threads=2)
@@ -722,19 +722,71 @@ def test_fast_tokenizer_encodes_serial_runs_on_its_own_threads(hf_fast, monkeypa
     assert os.environ["TOKENIZERS_PARALLELISM"] == "true" and "TOKENIZERS_PARALLELISM=true" in caplog.text
 
 
-class _ThreadCounts(torch.utils.data.IterableDataset):
+class _EncodeInWorker(torch.utils.data.IterableDataset):
+    def __init__(self, adapter):
+        self.adapter = adapter
+
     def __iter__(self):
-        yield wds.llm.thread_count(None), wds.llm.thread_count(3)
+        ids = self.adapter.submit(["a worker's text"])()
+        yield self.adapter._executor()._max_workers, os.environ.get("TOKENIZERS_PARALLELISM"), ids[0].tolist()
 
 
-def test_tokenizer_threads_default_to_one_per_worker_and_every_core_elsewhere(cl100k, urls) -> None:
-    assert wds.llm.thread_count(None) == wds.llm.available_cores() and wds.llm.thread_count(0) == 1
-    in_worker = list(torch.utils.data.DataLoader(_ThreadCounts(), batch_size=None, num_workers=1))
-    assert [tuple(counts) for counts in in_worker] == [(1, 3)]
-    adapter = wds.as_tokenizer(cl100k)  # resolved where it encodes, not where it is built
-    assert adapter.num_threads is None
-    list(documents(urls, adapter))
+def test_tokenizer_threads_resolve_where_they_encode(hf_fast, monkeypatch) -> None:
+    """One thread in a DataLoader worker, every available core in the training process; the fast
+    tokenizer's parallelism is switched off in the worker only, until the training process encodes."""
+    adapter = wds.as_tokenizer(hf_fast)
+    expected = hf_fast.backend_tokenizer.encode("a worker's text", add_special_tokens=False).ids
+    loader = torch.utils.data.DataLoader(_EncodeInWorker(adapter), batch_size=None, num_workers=1)
+    assert [tuple(item) for item in loader] == [(1, "false", expected)]
+    assert "TOKENIZERS_PARALLELISM" not in os.environ  # the training process's environment is untouched
+    adapter.submit(["here"])()
     assert adapter._executor()._max_workers == wds.llm.available_cores()
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "false"
+    monkeypatch.setenv("NUM_WORKERS", "4")  # a worker process as webdataset's variables describe it
+    assert wds.llm.thread_count(None) == 1 and wds.llm.thread_count(3) == 3
+    monkeypatch.delenv("NUM_WORKERS")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(wds.llm.available_cores() * 2))  # ranks sharing a node's cores
+    assert wds.llm.thread_count(None) == 1 and wds.llm.thread_count(0) == 1
+
+
+def test_forked_workers_encode_after_the_training_process_used_a_parallel_pool(tmp_path) -> None:
+    """With TOKENIZERS_PARALLELISM=true, a parallel batch call in a child forked after the parent started
+    the Rayon pool never returns (the child's pool has no threads): tokenize's workers must not make one."""
+    import subprocess
+    import sys
+
+    script = """
+import os, sys, torch, warnings
+warnings.simplefilter("ignore")
+import wdsraft as wds
+from tokenizers import Tokenizer, models, pre_tokenizers
+vocab = {chr(c): c - 97 for c in range(97, 123)}
+vocab[" "] = 26
+tok = Tokenizer(models.WordLevel(vocab, unk_token=" "))
+tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+texts = ["abc de" * (n + 1) for n in range(64)]
+tok.encode_batch(texts)  # the parent starts the Rayon pool
+class Docs(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        for text in texts:
+            yield {"txt": text}
+dataset = wds.DataPipeline(Docs(), wds.llm.tokenize(tok, batch_size=8))
+loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=1, multiprocessing_context="fork")
+print(sum(len(item["input_ids"]) for item in loader))
+"""
+    (tmp_path / "fork.py").write_text(script)
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "true", "RAYON_NUM_THREADS": "2"}
+    child = subprocess.Popen(
+        [sys.executable, str(tmp_path / "fork.py")], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        out, err = child.communicate(timeout=60)  # (a few seconds when it works)
+    except subprocess.TimeoutExpired:
+        # The child and its forked worker (which carries the same command line).
+        subprocess.run(["pkill", "-9", "-f", str(tmp_path / "fork.py")], check=False)
+        pytest.fail("the DataLoader worker hung in the fast tokenizer's batch call")
+    assert child.returncode == 0, err[-2000:]
+    assert int(out.split()[-1]) == sum(len("abc de" * (n + 1)) for n in range(64))
 
 
 def get_text(sample) -> str:

@@ -127,15 +127,17 @@ class _ThreadedAdapter(TokenizerAdapter):
     """
 
     num_threads: int | None = None
+    _pool_lock = threading.Lock()  # (one for all adapters: a pool is made once per adapter and process)
 
     def _executor(self) -> ThreadPoolExecutor:
-        pool, owner = self.__dict__.get("_pool"), self.__dict__.get("_pool_pid")
-        if pool is None or owner != os.getpid():  # a forked DataLoader worker has none of its parent's threads
-            self._pool_threads = thread_count(self.num_threads)
-            self._prepare_process()
-            pool = self._pool = ThreadPoolExecutor(self._pool_threads, thread_name_prefix="wdsraft-tokenize")
-            self._pool_pid = os.getpid()
-        return pool
+        with self._pool_lock:
+            pool, owner = self.__dict__.get("_pool"), self.__dict__.get("_pool_pid")
+            if pool is None or owner != os.getpid():  # a forked DataLoader worker has none of its parent's threads
+                self._pool_threads = thread_count(self.num_threads)
+                self._prepare_process()
+                pool = self._pool = ThreadPoolExecutor(self._pool_threads, thread_name_prefix="wdsraft-tokenize")
+                self._pool_pid = os.getpid()
+            return pool
 
     def _prepare_process(self) -> None:
         """Called once in each process that encodes, before its first run."""
@@ -153,11 +155,20 @@ class _ThreadedAdapter(TokenizerAdapter):
         return {key: value for key, value in self.__dict__.items() if key not in per_process}
 
 
+# A fork while another thread held the lock would leave it held in the child for good.
+os.register_at_fork(after_in_child=lambda: setattr(_ThreadedAdapter, "_pool_lock", threading.Lock()))
+
+
 def thread_count(requested: int | None) -> int:
-    """``requested`` threads, or by default one in a DataLoader worker and every available core elsewhere."""
+    """``requested`` threads, or by default: one in a worker process (a DataLoader worker, or one that
+    webdataset's ``WORKER``/``NUM_WORKERS`` describe), where the workers are the parallelism;
+    elsewhere the available cores, shared among the ranks on this node (``LOCAL_WORLD_SIZE``, set
+    by torchrun; ranks that SLURM binds to their own cores see only those)."""
     if requested is not None:
         return max(1, requested)
-    return 1 if in_dataloader_worker() else available_cores()
+    if in_dataloader_worker() or "NUM_WORKERS" in os.environ:
+        return 1
+    return max(1, available_cores() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 
 def available_cores() -> int:
@@ -241,17 +252,25 @@ class HFTokenizer(_ThreadedAdapter):
     def _prepare_process(self) -> None:
         # The Rust library reads the variable at every batch call; there is no other switch.
         current = os.environ.get("TOKENIZERS_PARALLELISM")
-        if current is None:
+        parallel = current is not None and current.lower() not in ("", "off", "false", "f", "no", "n", "0")
+        if in_dataloader_worker():
+            # A worker's environment is its own. And a forked worker whose parent started the Rayon pool
+            # with the variable set to true inherits a pool without threads: a parallel call there hangs.
+            if current != "false":
+                os.environ["TOKENIZERS_PARALLELISM"] = "false"
+                logger.info("tokenize: TOKENIZERS_PARALLELISM=false in DataLoader worker process %d", os.getpid())
+        elif current is None:
             os.environ["TOKENIZERS_PARALLELISM"] = "false"
-            logger.info(
-                "tokenize: TOKENIZERS_PARALLELISM=false in process %d (tokenize encodes on its own %d threads)",
-                os.getpid(),
+            logger.warning(
+                "tokenize: set TOKENIZERS_PARALLELISM=false in this process (it encodes on %d threads of its own); "
+                "this process's other fast-tokenizer batch calls now run on one core: set the variable yourself "
+                "to choose",
                 self._pool_threads,
             )
-        elif current.lower() not in ("", "off", "false", "f", "no", "n", "0"):
+        elif parallel:
             logger.warning(
                 "tokenize: TOKENIZERS_PARALLELISM=%s: each of tokenize's %d threads hands its run to the Rayon "
-                "pool, which idles the cores at the end of every run; unset it or set it to false",
+                "pool, which idles the cores at the end of every run; set it to false for tokenize's full speed",
                 current,
                 self._pool_threads,
             )
