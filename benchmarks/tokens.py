@@ -232,7 +232,8 @@ def main() -> None:
 def child(args: argparse.Namespace, one: str, tokenizer: str) -> dict:
     command = [sys.executable, __file__, "--one", one, "--tokenizer", tokenizer, "--workdir", str(args.workdir)]
     command += ["--workers", str(args.workers), "--length", str(args.length), "--batch", str(args.batch)]
-    output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    env = {k: v for k, v in os.environ.items() if k != "TOKENIZERS_PARALLELISM"}  # (tokenize's own setting)
+    output = subprocess.run(command, check=True, capture_output=True, text=True, env=env).stdout
     return json.loads(output.strip().splitlines()[-1])
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -74,11 +75,13 @@ def main() -> None:
     shutil.rmtree(args.workdir, ignore_errors=True)
     args.workdir.mkdir(parents=True)
     urls, texts = write_shards(args.corpus, args.workdir, args.copies)
+    # The training process as most start: the variable unset (with it set to true, "fork, pool used" hangs).
+    env = {k: v for k, v in os.environ.items() if k != "TOKENIZERS_PARALLELISM"}
     best: dict[str, dict[str, float]] = {way: {} for way in WAYS}
     for _ in range(args.rounds):
         for way in WAYS:
             command = [sys.executable, __file__, "--one", way, "--workdir", str(args.workdir)]
-            output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+            output = subprocess.run(command, check=True, capture_output=True, text=True, env=env).stdout
             for key, value in json.loads(output.strip().splitlines()[-1]).items():
                 best[way][key] = max(best[way].get(key, 0.0), value)
     print(f"{len(texts)} documents in {len(urls)} shards, 2 workers, best of {args.rounds}\n")
