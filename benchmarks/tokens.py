@@ -135,7 +135,7 @@ def pipeline_tokens(
     urls: list[str], tokenizer, workers: int, length: int, batch: int, packing: str, mode: str
 ) -> tuple[int, float]:
     """``mode="processes"``: one tokenizing DataLoader worker per core; ``"threads"``: the pipeline in
-    the training process, the tokenizer's own threads on every core (no batch crosses a process)."""
+    the training process, tokenize's own ``workers`` threads (no batch crosses a process)."""
     threads = workers if mode == "threads" else 1
     dataset = sequence_batches(urls, tokenizer, packing, threads, length, batch)
     processes = workers if mode == "processes" else 0

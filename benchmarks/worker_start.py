@@ -1,10 +1,11 @@
 """Fast-tokenizer pipelines in DataLoader workers: forked after the training process used the
 tokenizer's thread pool, or not, or started by forkserver.
 
-    python benchmarks/worker_start.py [--copies 2] [--rounds 2]
+    python benchmarks/worker_start.py [--copies 2] [--rounds 3]
 
 A fast tokenizer's Rust (Rayon) thread pool does not survive a fork: in a worker forked from a
-process that had started it, tokenizers switches its parallelism off. ``tokenize`` does not use
+process that had started it, tokenizers switches its parallelism off (where the variable
+``TOKENIZERS_PARALLELISM`` is unset; with it set to true, a parallel call there hangs). ``tokenize`` does not use
 that pool (it encodes serial runs on threads of its own), so how the workers start should not
 matter to their speed; this checks it. Three ways to start two workers running read -> tokenize
 (cl100k_base, transformers fast) -> BOS/EOS -> concat_chunk -> ``[8, 2048]`` batches, each in
@@ -63,7 +64,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS if DEFAULT_CORPUS.exists() else FALLBACK_CORPUS)
     parser.add_argument("--copies", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workdir", type=Path, default=HERE / "output" / "worker_start")
     parser.add_argument("--one", choices=list(WAYS), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -75,7 +76,7 @@ def main() -> None:
     shutil.rmtree(args.workdir, ignore_errors=True)
     args.workdir.mkdir(parents=True)
     urls, texts = write_shards(args.corpus, args.workdir, args.copies)
-    # The training process as most start: the variable unset (with it set to true, "fork, pool used" hangs).
+    # The training process as most start: the variable unset (tokenize sets it in the workers).
     env = {k: v for k, v in os.environ.items() if k != "TOKENIZERS_PARALLELISM"}
     best: dict[str, dict[str, float]] = {way: {} for way in WAYS}
     for _ in range(args.rounds):

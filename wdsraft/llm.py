@@ -117,8 +117,7 @@ class TokenizerAdapter:
 
 class _ThreadedAdapter(TokenizerAdapter):
     """An adapter that encodes on threads of its own, created on first use in each process (pools do not
-    cross into DataLoader workers): ``num_threads`` of them, by default one in a DataLoader worker
-    (the workers are the parallelism) and every available core elsewhere.
+    cross into DataLoader workers): ``num_threads`` of them, by default as ``thread_count`` says.
 
     A batch is cut into one run of documents per thread, balanced by text length, and each run is
     encoded by one serial call that releases the GIL. Runs of the next batches wait in the pool's
@@ -161,7 +160,7 @@ os.register_at_fork(after_in_child=lambda: setattr(_ThreadedAdapter, "_pool_lock
 
 def thread_count(requested: int | None) -> int:
     """``requested`` threads, or by default: one in a worker process (a DataLoader worker, or one that
-    webdataset's ``WORKER``/``NUM_WORKERS`` describe), where the workers are the parallelism;
+    webdataset's ``NUM_WORKERS`` describes), where the workers are the parallelism;
     elsewhere the available cores, shared among the ranks on this node (``LOCAL_WORLD_SIZE``, set
     by torchrun; ranks that SLURM binds to their own cores see only those)."""
     if requested is not None:
@@ -172,7 +171,7 @@ def thread_count(requested: int | None) -> int:
 
 
 def available_cores() -> int:
-    """The cores this process may run on (its CPU affinity, as Rayon counts them)."""
+    """The cores this process may run on (its CPU affinity; a cgroup CPU quota is not counted)."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # (not Linux)
@@ -228,8 +227,9 @@ def _balanced_runs(texts: list[str], count: int) -> list[list[str]]:
 class HFTokenizer(_ThreadedAdapter):
     """A ``tokenizers.Tokenizer`` or a transformers fast tokenizer (its Rust backend does the work).
 
-    A run is one ``encode_batch_fast`` call, serial in the calling thread: the process's
-    ``TOKENIZERS_PARALLELISM`` is set to ``false`` where unset (``_prepare_process``). Left to
+    A run is one ``encode_batch_fast`` call, serial in the calling thread: ``_prepare_process`` sets
+    the process's ``TOKENIZERS_PARALLELISM`` to ``false`` (in a DataLoader worker always, in the
+    training process where unset). Left to
     its Rayon pool, the batch call idles the cores at the end of every batch, and batches
     submitted from several threads nest on Rayon's stacks, so results arrive in bursts.
     """
@@ -322,10 +322,10 @@ def text_getter(text: str | Callable[[Any], str]) -> Callable[[Any], str]:
 
 
 class Tokenize(Stage):
-    """Tokenize documents in batches with the tokenizer's own batch call; order is kept.
+    """Tokenize documents in batches on the adapter's threads (one serial run per thread); order is kept.
 
-    Adds ``input_ids`` (a uint32 numpy array) to each sample. Holds a batch between
-    outputs: its state is the addresses of the documents not yet handed out.
+    Adds ``input_ids`` (a uint32 numpy array) to each sample. Holds up to ``QUEUED_BATCHES + 1``
+    batches between outputs: its state is the addresses of the documents not yet handed out.
     """
 
     def __init__(
