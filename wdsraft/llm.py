@@ -229,9 +229,9 @@ class HFTokenizer(_ThreadedAdapter):
 
     A run is one ``encode_batch_fast`` call, serial in the calling thread: ``_prepare_process`` sets
     the process's ``TOKENIZERS_PARALLELISM`` to ``false`` (in a DataLoader worker always, in the
-    training process where unset). Left to
-    its Rayon pool, the batch call idles the cores at the end of every batch, and batches
-    submitted from several threads nest on Rayon's stacks, so results arrive in bursts.
+    training process where unset). Left to its Rayon pool, the batch call idles the cores at the
+    end of every batch, and batches submitted from several threads nest on Rayon's stacks, so
+    results arrive in bursts.
     """
 
     def __init__(self, tokenizer: Any, num_threads: int | None = None):
