@@ -789,6 +789,41 @@ print(sum(len(item["input_ids"]) for item in loader))
     assert int(out.split()[-1]) == sum(len("abc de" * (n + 1)) for n in range(64))
 
 
+@pytest.mark.parametrize("which", ["tiktoken", "hf"])
+def test_special_token_text_matched_or_ordinary_on_request(cl100k, hf_cl100k, which, tmp_path) -> None:
+    """A document holding ``<|endoftext|>`` as text: each tokenizer's own rule by default (tiktoken: text,
+    the fast tokenizer: the special id), either one on request, the same ids from both tokenizers, the
+    caller's tokenizer untouched, and a state saved under one rule refused under the other."""
+    text = "0 a<|endoftext|>b"
+    ordinary, matched = cl100k.encode_ordinary(text), cl100k.encode(text, allowed_special="all")
+    assert 100257 in matched and 100257 not in ordinary
+    tokenizer = cl100k if which == "tiktoken" else hf_cl100k
+    with wds.ShardWriter(str(tmp_path / "s-%02d.tar"), maxcount=10, verbose=0) as sink:
+        for number in range(6):
+            sink.write({"__key__": f"{number:03d}", "txt": text.replace("0", str(number))})
+    urls = sorted(str(p) for p in tmp_path.glob("s-*.tar"))
+
+    def first_ids(**kw):
+        return next(iter(documents(urls, tokenizer, **kw)))["input_ids"].tolist()
+
+    assert first_ids() == (ordinary if which == "tiktoken" else matched)
+    assert first_ids(match_special_tokens=True) == matched
+    assert first_ids(match_special_tokens=False) == ordinary
+    assert hf_cl100k.backend_tokenizer.encode_special_tokens is False  # (the copy carries the setting)
+
+    pipeline = documents(urls, tokenizer, match_special_tokens=True, batch_size=2).concat_chunk(LENGTH)
+    iterator = iter(pipeline)
+    next(iterator)
+    state = pipeline.state_dict()
+    other = documents(urls, tokenizer, match_special_tokens=False, batch_size=2).concat_chunk(LENGTH)
+    with pytest.raises(wds.StateMismatchError, match="tokenizer"):
+        other.load_state_dict(state)
+        next(iter(other))
+    same = documents(urls, tokenizer, match_special_tokens=True, batch_size=2).concat_chunk(LENGTH)
+    same.load_state_dict(state)
+    assert [s["input_ids"].tolist() for s in same] == [s["input_ids"].tolist() for s in iterator]
+
+
 def get_text(sample) -> str:
     return sample["txt"].decode()
 

@@ -56,9 +56,16 @@ class FluidInterface(WebdatasetFluidInterface):
 
     # -- LLM stages (epochraft's names) --
 
-    def tokenize(self, tokenizer: Any, text: Any = "txt", batch_size: int = 64, num_threads: int | None = None) -> Any:
+    def tokenize(
+        self,
+        tokenizer: Any,
+        text: Any = "txt",
+        batch_size: int = 64,
+        num_threads: int | None = None,
+        match_special_tokens: bool | None = None,
+    ) -> Any:
         """Add ``input_ids``: the text (a field, ``"json:text"``, or a function) tokenized in batches."""
-        return self.compose(llm.Tokenize(tokenizer, text=text, batch_size=batch_size, num_threads=num_threads))
+        return self.compose(llm.tokenize(tokenizer, text, batch_size, num_threads, match_special_tokens))
 
     def ensure_bos_eos(self, tokenizer: Any = None, bos_id: int | None = None, eos_id: int | None = None) -> Any:
         return self.compose(llm.ensure_bos_eos(tokenizer, bos_id=bos_id, eos_id=eos_id))

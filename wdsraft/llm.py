@@ -179,16 +179,18 @@ def available_cores() -> int:
 
 
 class TiktokenTokenizer(_ThreadedAdapter):
-    """A tiktoken ``Encoding``: special-token text is encoded as ordinary text, as ``encode_ordinary``.
+    """A tiktoken ``Encoding``: special-token text is encoded as ordinary text, as ``encode_ordinary``
+    does, unless ``match_special_tokens`` (then ``<|endoftext|>`` in a text becomes its id).
 
     A run is encoded with ``encode_to_numpy`` (no Python list of ints per document).
     """
 
-    def __init__(self, encoding: Any, num_threads: int | None = None):
+    def __init__(self, encoding: Any, num_threads: int | None = None, match_special_tokens: bool | None = None):
         self.encoding = encoding
         self.num_threads = num_threads
+        self.match_special_tokens = bool(match_special_tokens)
         self.eos_id = encoding.eot_token
-        self.name = f"tiktoken:{encoding.name}"
+        self.name = f"tiktoken:{encoding.name}" + (":special-tokens-matched" if self.match_special_tokens else "")
 
     def _digest(self) -> str | None:
         return _digest_of(self.encoding, self._compute_digest)
@@ -207,6 +209,8 @@ class TiktokenTokenizer(_ThreadedAdapter):
 
     def _encode_run(self, texts: list[str]) -> list[np.ndarray]:
         encode = self.encoding.encode_to_numpy
+        if self.match_special_tokens:
+            return [encode(text, allowed_special="all") for text in texts]
         return [encode(text, disallowed_special=()) for text in texts]
 
 
@@ -234,14 +238,21 @@ class HFTokenizer(_ThreadedAdapter):
     results arrive in bursts.
     """
 
-    def __init__(self, tokenizer: Any, num_threads: int | None = None):
+    def __init__(self, tokenizer: Any, num_threads: int | None = None, match_special_tokens: bool | None = None):
         backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+        as_text = getattr(backend, "encode_special_tokens", False)  # (the Rust flag: special-token text as text)
+        if match_special_tokens is not None and as_text == match_special_tokens:
+            backend = _backend_copy(backend)  # (the caller's tokenizer keeps its own setting)
+            backend.encode_special_tokens = as_text = not match_special_tokens
         self.backend = backend
         self.num_threads = num_threads
         self.bos_id = getattr(tokenizer, "bos_token_id", None)
         self.eos_id = getattr(tokenizer, "eos_token_id", None)
         self.pad_id = getattr(tokenizer, "pad_token_id", None)
+        # The flag is not in the serialized tokenizer the digest covers: the name carries it.
         self.name = f"hf:{type(tokenizer).__name__}:{backend.get_vocab_size()}"
+        if as_text:
+            self.name += ":special-tokens-as-text"
 
     def _digest(self) -> str | None:
         # The whole serialized tokenizer (vocabulary, merges, normalizer, pre-tokenizer, truncation...):
@@ -283,14 +294,27 @@ class HFTokenizer(_ThreadedAdapter):
         ]
 
 
-def as_tokenizer(tokenizer: Any, num_threads: int | None = None) -> TokenizerAdapter:
-    """Wrap a tiktoken ``Encoding``, a ``tokenizers.Tokenizer`` or a transformers fast tokenizer."""
+def _backend_copy(backend: Any) -> Any:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_str(backend.to_str())
+
+
+def as_tokenizer(
+    tokenizer: Any, num_threads: int | None = None, match_special_tokens: bool | None = None
+) -> TokenizerAdapter:
+    """Wrap a tiktoken ``Encoding``, a ``tokenizers.Tokenizer`` or a transformers fast tokenizer.
+
+    ``match_special_tokens``: whether special-token text in a document (``<|endoftext|>``) becomes the
+    special token's id; by default each tokenizer's own rule (tiktoken: no, as ``encode_ordinary``;
+    ``tokenizers``: yes, unless its ``encode_special_tokens`` is set).
+    """
     if isinstance(tokenizer, TokenizerAdapter):
         return tokenizer
     if hasattr(tokenizer, "encode_ordinary_batch") and hasattr(tokenizer, "eot_token"):
-        return TiktokenTokenizer(tokenizer, num_threads)
+        return TiktokenTokenizer(tokenizer, num_threads, match_special_tokens)
     if hasattr(tokenizer, "encode_batch") or hasattr(tokenizer, "backend_tokenizer"):
-        return HFTokenizer(tokenizer, num_threads)
+        return HFTokenizer(tokenizer, num_threads, match_special_tokens)
     raise TypeError(
         f"unsupported tokenizer {type(tokenizer).__name__}: pass a tiktoken Encoding, a tokenizers.Tokenizer "
         "or a transformers PreTrainedTokenizerFast"
@@ -334,8 +358,9 @@ class Tokenize(Stage):
         text: str | Callable[[Any], str] = "txt",
         batch_size: int = 64,
         num_threads: int | None = None,
+        match_special_tokens: bool | None = None,
     ):
-        self.tokenizer = as_tokenizer(tokenizer, num_threads)
+        self.tokenizer = as_tokenizer(tokenizer, num_threads, match_special_tokens)
         self.text = text
         self.get_text = text_getter(text)
         self.batch_size = batch_size
@@ -419,9 +444,15 @@ class Tokenize(Stage):
 
 
 def tokenize(
-    tokenizer: Any, text: str | Callable[[Any], str] = "txt", batch_size: int = 64, num_threads: int | None = None
+    tokenizer: Any,
+    text: str | Callable[[Any], str] = "txt",
+    batch_size: int = 64,
+    num_threads: int | None = None,
+    match_special_tokens: bool | None = None,
 ) -> Tokenize:
-    return Tokenize(tokenizer, text=text, batch_size=batch_size, num_threads=num_threads)
+    return Tokenize(
+        tokenizer, text=text, batch_size=batch_size, num_threads=num_threads, match_special_tokens=match_special_tokens
+    )
 
 
 # -- BOS/EOS ---------------------------------------------------------------------------------------
