@@ -824,6 +824,34 @@ def test_special_token_text_matched_or_ordinary_on_request(cl100k, hf_cl100k, wh
     assert [s["input_ids"].tolist() for s in same] == [s["input_ids"].tolist() for s in iterator]
 
 
+def test_fast_tokenizer_encodes_with_its_own_copy(hf_cl100k, cl100k, caplog) -> None:
+    """tokenize's copy of the backend keeps the settings it was built with: across pickling (a spawned
+    worker; the Rust flag is not in a Tokenizer's pickle), and when the caller's tokenizer changes later
+    (transformers sets the flag on every call); the caller's truncation never cuts a document."""
+    text = "a<|endoftext|>b " * 40
+    ordinary = cl100k.encode_ordinary(text)
+    backend = hf_cl100k.backend_tokenizer
+    adapter = wds.as_tokenizer(hf_cl100k, match_special_tokens=False)
+    assert [ids.tolist() for ids in pickle.loads(pickle.dumps(adapter)).encode_batch([text])] == [ordinary]
+    try:
+        backend.encode_special_tokens = False
+        backend.enable_truncation(8)
+        with caplog.at_level("WARNING", logger="wdsraft.llm"):
+            truncating = wds.as_tokenizer(hf_cl100k, match_special_tokens=False)
+        assert "encoded whole" in caplog.text
+        backend.encode_special_tokens = True  # (as hf(texts, split_special_tokens=True) leaves it)
+        assert [ids.tolist() for ids in adapter.encode_batch([text])] == [ordinary]
+        assert [ids.tolist() for ids in truncating.encode_batch([text])] == [ordinary]
+        default = wds.as_tokenizer(hf_cl100k)  # built now: the caller's flag as it is now
+        assert [ids.tolist() for ids in default.encode_batch([text])] == [ordinary]
+        assert default.identity == adapter.identity
+    finally:
+        backend.encode_special_tokens = False
+        backend.no_truncation()
+    with pytest.raises(ValueError, match="settings of the adapter"):
+        wds.as_tokenizer(adapter, match_special_tokens=True)
+
+
 def get_text(sample) -> str:
     return sample["txt"].decode()
 

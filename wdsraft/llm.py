@@ -239,25 +239,26 @@ class HFTokenizer(_ThreadedAdapter):
     """
 
     def __init__(self, tokenizer: Any, num_threads: int | None = None, match_special_tokens: bool | None = None):
-        backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
-        as_text = getattr(backend, "encode_special_tokens", False)  # (the Rust flag: special-token text as text)
-        if match_special_tokens is not None and as_text == match_special_tokens:
-            backend = _backend_copy(backend)  # (the caller's tokenizer keeps its own setting)
-            backend.encode_special_tokens = as_text = not match_special_tokens
-        self.backend = backend
+        self.backend = _private_backend(getattr(tokenizer, "backend_tokenizer", tokenizer), match_special_tokens)
+        # (the Rust flag: special-token text encoded as text)
+        self.special_tokens_as_text = bool(getattr(self.backend, "encode_special_tokens", False))
         self.num_threads = num_threads
         self.bos_id = getattr(tokenizer, "bos_token_id", None)
         self.eos_id = getattr(tokenizer, "eos_token_id", None)
         self.pad_id = getattr(tokenizer, "pad_token_id", None)
         # The flag is not in the serialized tokenizer the digest covers: the name carries it.
-        self.name = f"hf:{type(tokenizer).__name__}:{backend.get_vocab_size()}"
-        if as_text:
+        self.name = f"hf:{type(tokenizer).__name__}:{self.backend.get_vocab_size()}"
+        if self.special_tokens_as_text:
             self.name += ":special-tokens-as-text"
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if hasattr(self.backend, "encode_special_tokens"):  # (a Tokenizer pickles as its JSON, without the flag)
+            self.backend.encode_special_tokens = self.special_tokens_as_text
+
     def _digest(self) -> str | None:
-        # The whole serialized tokenizer (vocabulary, merges, normalizer, pre-tokenizer, truncation...):
-        # about 0.1 s for cl100k_base, once per tokenizer object (changing its settings later in the
-        # same process goes unnoticed).
+        # The whole serialized tokenizer (vocabulary, merges, normalizer, pre-tokenizer...): about 0.1 s
+        # for cl100k_base, once per adapter (its backend is its own: later changes to yours do not reach it).
         return _digest_of(self.backend, lambda: hashlib.sha256(self.backend.to_str().encode()).hexdigest()[:16])
 
     def _prepare_process(self) -> None:
@@ -294,10 +295,25 @@ class HFTokenizer(_ThreadedAdapter):
         ]
 
 
-def _backend_copy(backend: Any) -> Any:
+def _private_backend(backend: Any, match_special_tokens: bool | None) -> Any:
+    """A copy of a ``tokenizers.Tokenizer`` for tokenize alone, taken when the pipeline is built: settings
+    made on the caller's object later (transformers sets ``encode_special_tokens`` on every call, truncation
+    and padding on calls that ask for them) do not reach it. Truncation and padding are off in it (a
+    document is encoded whole), and special-token text is matched or not as asked."""
+    if not hasattr(backend, "to_str"):  # (another object with ``encode_batch``: used as it is)
+        if match_special_tokens is not None:
+            raise ValueError(f"match_special_tokens needs a tokenizers.Tokenizer, not {type(backend).__name__}")
+        return backend
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_str(backend.to_str())
+    private = Tokenizer.from_str(backend.to_str())  # (about 0.5 s and 20 MB for cl100k_base)
+    if backend.truncation is not None or backend.padding is not None:
+        logger.warning("tokenize: the tokenizer's truncation and padding are not applied: documents are encoded whole")
+    private.no_truncation()
+    private.no_padding()
+    as_text = backend.encode_special_tokens if match_special_tokens is None else not match_special_tokens
+    private.encode_special_tokens = as_text
+    return private
 
 
 def as_tokenizer(
@@ -310,6 +326,8 @@ def as_tokenizer(
     ``tokenizers``: yes, unless its ``encode_special_tokens`` is set).
     """
     if isinstance(tokenizer, TokenizerAdapter):
+        if num_threads is not None or match_special_tokens is not None:
+            raise ValueError("num_threads and match_special_tokens are settings of the adapter: set them on it")
         return tokenizer
     if hasattr(tokenizer, "encode_ordinary_batch") and hasattr(tokenizer, "eot_token"):
         return TiktokenTokenizer(tokenizer, num_threads, match_special_tokens)
@@ -458,6 +476,15 @@ def tokenize(
 # -- BOS/EOS ---------------------------------------------------------------------------------------
 
 
+def _bos_eos_ids(tokenizer: Any) -> tuple[int | None, int | None]:
+    """A tokenizer's BOS and EOS ids, as its adapter has them (without building one)."""
+    if isinstance(tokenizer, TokenizerAdapter):
+        return tokenizer.bos_id, tokenizer.eos_id
+    if hasattr(tokenizer, "encode_ordinary_batch") and hasattr(tokenizer, "eot_token"):  # (tiktoken: no BOS)
+        return None, tokenizer.eot_token
+    return getattr(tokenizer, "bos_token_id", None), getattr(tokenizer, "eos_token_id", None)
+
+
 class ensure_bos_eos:
     """Add BOS at the start and EOS at the end of each document where absent (epochraft's rule).
 
@@ -467,9 +494,9 @@ class ensure_bos_eos:
 
     def __init__(self, tokenizer: Any = None, bos_id: int | None = None, eos_id: int | None = None):
         if tokenizer is not None:
-            adapter = as_tokenizer(tokenizer)
-            bos_id = adapter.bos_id if bos_id is None else bos_id
-            eos_id = adapter.eos_id if eos_id is None else eos_id
+            own_bos, own_eos = _bos_eos_ids(tokenizer)
+            bos_id = own_bos if bos_id is None else bos_id
+            eos_id = own_eos if eos_id is None else eos_id
         if bos_id is None and eos_id is None:
             raise ValueError("ensure_bos_eos: the tokenizer has neither BOS nor EOS; pass bos_id/eos_id")
         self.bos_id = bos_id
