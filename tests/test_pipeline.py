@@ -284,6 +284,19 @@ def test_property_resume_anywhere(urls, bufsize, shardshuffle, batch, kill, resu
 # -- the state protocol ----------------------------------------------------------------------------
 
 
+def test_a_pipeline_iterated_here_still_pickles(urls) -> None:
+    """Into spawned DataLoader workers, say: the copy holds no iteration (its next one is the next epoch,
+    as the original's); the original goes on where it was."""
+    import pickle
+
+    pipeline = _classic(wds, urls)
+    iterator = iter(pipeline)
+    head = [next(iterator) for _ in range(3)]
+    copy = pickle.loads(pickle.dumps(pipeline))
+    assert [keys for keys, *_ in head + list(iterator)] == [keys for keys, *_ in _classic(wds, urls)]
+    assert [keys for keys, *_ in copy] == [keys for keys, *_ in pipeline]  # (epoch 1 of both)
+
+
 def test_state_is_fresh_plain_data(urls) -> None:
     pipeline = _classic(wds, urls)
     iterator = iter(pipeline)

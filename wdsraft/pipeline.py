@@ -332,6 +332,11 @@ class DataPipeline(IterableDataset, PipelineStage):
         self._last_state = copy.deepcopy(pending) if pending is not None else None
         return iter(iteration)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy (a spawned DataLoader worker's, say) has no iteration in progress: the weak reference to
+        # this process's would not pickle.
+        return {**self.__dict__, "_live": None}
+
     def iterator1(self) -> Iterator[Any]:
         """One pass over the stages (webdataset's name), without repetition or state."""
         ctx = Context(self.epoch if self.epoch >= 0 else 0, worker_info())
