@@ -20,7 +20,6 @@ import argparse
 import hashlib
 import logging
 import os
-import shutil
 import tempfile
 import time
 from typing import Any
@@ -88,6 +87,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4, help="sequences per batch")
     parser.add_argument("--crash-at", type=int, default=20, help="the step after which the job is 'preempted'")
     args = parser.parse_args()
+    if args.crash_at < 0:
+        parser.error("--crash-at must be a step number, 0 or more")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
     with tempfile.TemporaryDirectory(prefix="train-llm-") as scratch:
@@ -114,6 +115,7 @@ def main() -> None:
         for step, batch in enumerate(loader):
             seen.append(fingerprint(batch))  # ... forward, backward, optimizer step ...
             if step == args.crash_at:
+                # With several ranks (split_by_node), each saves its own loader state beside its model shard.
                 torch.save({"step": step, "data": loader.state_dict()}, checkpoint)
                 break  # the job is preempted
         del loader
@@ -121,14 +123,14 @@ def main() -> None:
         saved = torch.load(checkpoint, weights_only=True)  # the next job: plain data, no code runs
         resumed_loader = make_loader(urls, tokenizer, args.length, args.batch)
         resumed_loader.load_state_dict(saved["data"])
+        first_step = saved["step"] + 1  # the training loop's counter goes on from here
         resumed = [fingerprint(batch) for batch in resumed_loader]
         exact = seen + resumed == reference
         print(
             f"checkpoint after step {saved['step']} ({os.path.getsize(checkpoint) / 1e3:.1f} KB), "
-            f"resumed {len(resumed)} batches in a fresh loader; "
+            f"resumed {len(resumed)} batches (steps {first_step}-{first_step + len(resumed) - 1}) in a fresh loader; "
             f"identical to the uninterrupted run: {exact}"
         )
-        shutil.rmtree(os.path.join(scratch, "shards"), ignore_errors=True)
     if not exact:
         raise SystemExit("train_llm FAILED")
     print("train_llm OK")
