@@ -11,8 +11,7 @@ the crossing to the training process. Workers run as in ``tokens.py`` (``prefetc
 (``snapshot_every_n_steps=1``, torchdata's default). Reported in CPU seconds (all processes),
 side by side with the CPU seconds the tokenizers themselves take for the same texts (tiktoken
 and the fast tokenizer each in one thread, not the main one, as ``tokenize`` runs them), and as a
-share of those. Best of
-``--rounds``.
+share of those. Best of ``--rounds``.
 """
 
 from __future__ import annotations

@@ -59,6 +59,14 @@ def write_shards(corpus: Path, directory: Path, copies: int) -> tuple[list[str],
     return sorted(str(p) for p in directory.glob("tok-*.tar")), texts * copies
 
 
+def thread_runs(texts: list[str], threads: int, encode_run) -> int:
+    """Tokens from ``encode_run`` over one run of documents per thread, the runs balanced by text length."""
+    ends = list(itertools.accumulate(map(len, texts)))
+    cuts = [0] + [bisect.bisect_left(ends, ends[-1] * k / threads) for k in range(1, threads)] + [len(texts)]
+    with ThreadPoolExecutor(threads) as pool:
+        return sum(pool.map(encode_run, [texts[a:b] for a, b in itertools.pairwise(cuts)]))
+
+
 def raw_tiktoken(encoding, texts: list[str], threads: int) -> dict[str, float]:
     """tokens/s of tiktoken's own batch call, and of the fastest of three ways to drive it."""
     encode = functools.partial(encoding.encode_to_numpy, disallowed_special=())
@@ -75,13 +83,7 @@ def raw_tiktoken(encoding, texts: list[str], threads: int) -> dict[str, float]:
             return sum(len(ids) for ids in pool.map(encode, texts))
 
     def runs() -> int:
-        ends = list(itertools.accumulate(map(len, texts)))
-        cuts = [0] + [bisect.bisect_left(ends, ends[-1] * k / threads) for k in range(1, threads)] + [len(texts)]
-        with ThreadPoolExecutor(threads) as pool:
-            parts = pool.map(
-                lambda run: sum(len(encode(t)) for t in run), [texts[a:b] for a, b in itertools.pairwise(cuts)]
-            )
-            return sum(parts)
+        return thread_runs(texts, threads, lambda run: sum(len(encode(t)) for t in run))
 
     rates = {}
     for name, run in (("batch_call", batch_call), ("per_document", per_document), ("runs", runs)):
@@ -101,13 +103,8 @@ def raw_hf(tokenizer, texts: list[str], threads: int) -> dict[str, float]:
     def batch_call() -> int:
         return sum(encode(texts[first : first + 256]) for first in range(0, len(texts), 256))
 
-    def runs() -> int:
-        # One run of documents per thread (balanced by length), each encoded 256 documents per call.
-        ends = list(itertools.accumulate(map(len, texts)))
-        cuts = [0] + [bisect.bisect_left(ends, ends[-1] * k / threads) for k in range(1, threads)] + [len(texts)]
-        with ThreadPoolExecutor(threads) as pool:
-            runs_ = [texts[a:b] for a, b in itertools.pairwise(cuts)]
-            return sum(pool.map(lambda run: sum(encode(run[i : i + 256]) for i in range(0, len(run), 256)), runs_))
+    def runs() -> int:  # (each run encoded 256 documents per call)
+        return thread_runs(texts, threads, lambda run: sum(encode(run[i : i + 256]) for i in range(0, len(run), 256)))
 
     rates = {}
     for name, run in (("batch_call", batch_call), ("runs", runs)):

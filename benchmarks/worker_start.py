@@ -5,9 +5,9 @@ tokenizer's thread pool, or not, or started by forkserver.
 
 A fast tokenizer's Rust (Rayon) thread pool does not survive a fork: in a worker forked from a
 process that had started it, tokenizers switches its parallelism off (where the variable
-``TOKENIZERS_PARALLELISM`` is unset; with it set to true, a parallel call there hangs). ``tokenize`` does not use
-that pool (it encodes serial runs on threads of its own), so how the workers start should not
-matter to their speed; this checks it. Three ways to start two workers running read -> tokenize
+``TOKENIZERS_PARALLELISM`` is unset; with it set to true, a parallel call there hangs).
+``tokenize`` does not use that pool (it encodes serial runs on threads of its own), so how the
+workers start should not matter to their speed; this checks it. Three ways to start two workers running read -> tokenize
 (cl100k_base, transformers fast) -> BOS/EOS -> concat_chunk -> ``[8, 2048]`` batches, each in
 a fresh process, alternating, best of ``--rounds``:
 

@@ -85,8 +85,13 @@ def _lineage_argument(text: str) -> Watermark:
 
 def _rank_files(args: argparse.Namespace) -> tuple[list[RankFile], Watermark]:
     """The ledger's rank files and the watermark the command works on (given, from a checkpoint, or the latest)."""
-    files = list(Ledger(args.path, run="inspect", rank=0, world_size=1).rank_files())
+    files = list(_reader(args.path).rank_files())
     return files, _watermark(args, files)
+
+
+def _reader(url: str) -> Ledger:
+    """The ledger at ``url``, opened to read (as no run of its own)."""
+    return Ledger(url, run="inspect", rank=0, world_size=1)
 
 
 def _watermark(args: argparse.Namespace, files: list[RankFile]) -> Watermark:
@@ -215,7 +220,7 @@ def _ledger_exists(url: str) -> bool:
     path = local_path(url)
     if path is not None:
         return os.path.exists(path)
-    return bool(Ledger(url, run="inspect", rank=0, world_size=1).files())
+    return bool(_reader(url).files())
 
 
 def cmd_rewind(args: argparse.Namespace) -> int:

@@ -295,6 +295,10 @@ class HFTokenizer(_ThreadedAdapter):
         ]
 
 
+def _is_tiktoken(tokenizer: Any) -> bool:
+    return hasattr(tokenizer, "encode_ordinary_batch") and hasattr(tokenizer, "eot_token")
+
+
 def _private_backend(backend: Any, match_special_tokens: bool | None) -> Any:
     """A copy of a ``tokenizers.Tokenizer`` for tokenize alone, taken when the pipeline is built: settings
     made on the caller's object later (transformers sets ``encode_special_tokens`` on every call, truncation
@@ -329,7 +333,7 @@ def as_tokenizer(
         if num_threads is not None or match_special_tokens is not None:
             raise ValueError("num_threads and match_special_tokens are settings of the adapter: set them on it")
         return tokenizer
-    if hasattr(tokenizer, "encode_ordinary_batch") and hasattr(tokenizer, "eot_token"):
+    if _is_tiktoken(tokenizer):
         return TiktokenTokenizer(tokenizer, num_threads, match_special_tokens)
     if hasattr(tokenizer, "encode_batch") or hasattr(tokenizer, "backend_tokenizer"):
         return HFTokenizer(tokenizer, num_threads, match_special_tokens)
@@ -480,7 +484,7 @@ def _bos_eos_ids(tokenizer: Any) -> tuple[int | None, int | None]:
     """A tokenizer's BOS and EOS ids, as its adapter has them (without building one)."""
     if isinstance(tokenizer, TokenizerAdapter):
         return tokenizer.bos_id, tokenizer.eos_id
-    if hasattr(tokenizer, "encode_ordinary_batch") and hasattr(tokenizer, "eot_token"):  # (tiktoken: no BOS)
+    if _is_tiktoken(tokenizer):  # (no BOS)
         return None, tokenizer.eot_token
     return getattr(tokenizer, "bos_token_id", None), getattr(tokenizer, "eos_token_id", None)
 
