@@ -8,7 +8,7 @@ from typing import Any
 import webdataset
 
 import wdsraft
-from wdsraft.positions import OFFSET_FIELD, ORDINAL_FIELD
+from wdsraft.core.fields import OFFSET_FIELD, ORDINAL_FIELD
 
 POSITION_FIELDS = (ORDINAL_FIELD, OFFSET_FIELD)
 

@@ -36,9 +36,12 @@ from webdataset.mix import RandomMix, RoundRobin
 from webdataset.utils import PipelineStage, repeatedly
 from webdataset.writer import numpy_dumps, torch_dumps
 
-from . import autodecode, cache, distributed, extradatasets, handlers, llm, mix, pytorch  # noqa: F401 - submodules
+from wdsraft import autodecode, cache, extradatasets, handlers, llm, mix, pytorch  # noqa: F401 - submodules
+from wdsraft.core import distributed  # noqa: F401 - submodule, as before the move
+from wdsraft.core.errors import IndexFormatError, StateMismatchError, TarFormatError
+from wdsraft.core.fields import Position
+
 from .compat import FluidInterface, FluidWrapper, WebDataset, WebLoader
-from .errors import IndexFormatError, TarFormatError
 from .filters import (
     Cached,
     LMDBCached,
@@ -79,7 +82,6 @@ from .llm import (
     tokenize,
 )
 from .pipeline import DataPipeline, Stage
-from .positions import Position
 from .shardlists import (
     MultiShardSample,
     ResampledShards,
@@ -91,7 +93,6 @@ from .shardlists import (
     split_by_node,
     split_by_worker,
 )
-from .state import StateMismatchError
 from .tariterators import ShardSampleReader, TarfileToSamples, tarfile_samples, tarfile_to_samples
 from .writer import ShardWriter, TarWriter
 

@@ -15,7 +15,8 @@ from urllib.parse import urlparse
 import braceexpand
 from tqdm import tqdm
 
-from .errors import IndexFormatError, TarFormatError
+from wdsraft.core.errors import IndexFormatError, TarFormatError
+
 from .gopen import s3_client
 from .index import MANIFEST_NAME, ShardIndex, build_index, manifest_for
 from .ledger_cli import add_ledger_commands

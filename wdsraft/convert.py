@@ -59,7 +59,8 @@ import msgpack
 import numpy as np
 import zstandard
 
-from .errors import IndexFormatError
+from wdsraft.core.errors import IndexFormatError
+
 from .gopen import gopen, s3_client, s3_endpoint_url, s5cmd_binary, sniff_compression
 from .index import INDEX_SUFFIX, MANIFEST_NAME, Manifest, ManifestEntry, ShardIndex
 from .storage import abort_write, is_s3, local_path, open_atomic, remove, write_bytes_atomic

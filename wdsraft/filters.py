@@ -48,9 +48,11 @@ from webdataset.filters import (
     xdecode,
 )
 
+from wdsraft.core.errors import StateMismatchError
+from wdsraft.core.state import describe, make_seed, pack_rng, unpack_rng
+
 from . import llm
 from .pipeline import Address, AddressTracker, Context, Stage, pack_addresses, unpack_addresses
-from .state import StateMismatchError, describe, make_seed, pack_rng, unpack_rng
 
 __all__ = [
     "Cached",

@@ -29,7 +29,7 @@ from urllib.request import url2pathname
 from webdataset.gopen import Pipe, rewrite_url
 from webdataset.gopen import gopen as webdataset_gopen
 
-from .errors import TarFormatError
+from wdsraft.core.errors import TarFormatError
 
 logger = logging.getLogger(__name__)
 

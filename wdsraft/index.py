@@ -26,7 +26,8 @@ from urllib.parse import urlparse
 
 import msgpack
 
-from .errors import IndexFormatError
+from wdsraft.core.errors import IndexFormatError
+
 from .gopen import gopen, uncompressed
 from .storage import write_bytes_atomic
 from .tariterators import ShardSampleReader

@@ -35,14 +35,14 @@ from typing import Any
 import msgpack
 from pyroaring import BitMap
 
-from .distributed import rank_and_world_size
-from .errors import IndexFormatError
+from wdsraft.core.distributed import rank_and_world_size
+from wdsraft.core.errors import IndexFormatError, StateMismatchError
+from wdsraft.core.fields import ORDINAL_FIELD
+
 from .gopen import gopen, s3_client
 from .llm import PROVENANCE
 from .pipeline import state_epoch
-from .positions import ORDINAL_FIELD
 from .shardlists import UrlList
-from .state import StateMismatchError
 from .storage import exists, local_path, write_bytes_atomic
 
 logger = logging.getLogger(__name__)

@@ -9,7 +9,8 @@ import os
 from collections import defaultdict
 from typing import Any
 
-from .errors import IndexFormatError
+from wdsraft.core.errors import IndexFormatError
+
 from .index import Manifest, ShardIndex
 from .ledger import ConsumedSet, Ledger, LedgerError, RankFile, counted
 from .storage import local_path, remove

@@ -32,8 +32,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from wdsraft.core.errors import StateMismatchError
+from wdsraft.core.state import describe
+
 from .pipeline import Address, AddressTracker, Context, Stage, in_dataloader_worker, pack_addresses, unpack_addresses
-from .state import StateMismatchError, describe
 
 __all__ = [
     "Chunk",

@@ -39,8 +39,9 @@ from typing import Any
 from torch.utils.data import DataLoader, IterableDataset
 from webdataset.utils import PipelineStage
 
-from .distributed import WorkerInfo, worker_info
-from .state import STATE_FORMAT, STATE_VERSION, StateMismatchError, describe, differences, fingerprint
+from wdsraft.core.distributed import WorkerInfo, worker_info
+from wdsraft.core.errors import StateMismatchError
+from wdsraft.core.state import STATE_FORMAT, STATE_VERSION, describe, differences, fingerprint
 
 logger = logging.getLogger(__name__)
 

@@ -30,9 +30,10 @@ from webdataset.shardlists import (
 )
 from webdataset.utils import make_seed as webdataset_make_seed
 
-from .distributed import pytorch_worker_seed, worker_info
+from wdsraft.core.distributed import pytorch_worker_seed, worker_info
+from wdsraft.core.state import describe, fingerprint
+
 from .pipeline import Context, Stage
-from .state import describe, fingerprint
 
 __all__ = [
     "DirectoryShardList",

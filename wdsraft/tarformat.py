@@ -19,7 +19,7 @@ from typing import IO, Any, NamedTuple
 
 import numpy as np
 
-from .errors import TarFormatError
+from wdsraft.core.errors import TarFormatError
 
 BLOCK = 512
 RECORD = 20 * BLOCK  # tar archives are padded to a multiple of this (GNU tar, tarfile)

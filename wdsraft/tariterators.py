@@ -19,11 +19,12 @@ from typing import IO, Any
 from webdataset.handlers import reraise_exception
 from webdataset.tariterators import base_plus_ext, group_by_keys, valid_sample
 
-from .errors import IndexFormatError
+from wdsraft.core.errors import IndexFormatError, StateMismatchError
+from wdsraft.core.fields import OFFSET_FIELD, ORDINAL_FIELD
+from wdsraft.core.state import describe
+
 from .gopen import open_shard, uncompressed
 from .pipeline import Address, Context, SourceStage
-from .positions import OFFSET_FIELD, ORDINAL_FIELD
-from .state import StateMismatchError, describe
 from .storage import local_path
 from .tarformat import BLOCK, TarMember, TarMemberReader
 

@@ -1,4 +1,4 @@
-"""Exceptions that name where things went wrong: the shard URL and the byte offset."""
+"""Exceptions that name where things went wrong: the shard URL and byte offset, or the state field."""
 
 from __future__ import annotations
 
@@ -32,3 +32,7 @@ class IndexFormatError(ValueError):
 
     def __reduce__(self):
         return (type(self), (self.url, self.reason))
+
+
+class StateMismatchError(ValueError):
+    """A saved state does not belong to this configuration (other shards, seed, stages, rank or worker)."""

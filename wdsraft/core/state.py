@@ -18,10 +18,6 @@ STATE_FORMAT = "wdsraft-pipeline-state"
 STATE_VERSION = 1
 
 
-class StateMismatchError(ValueError):
-    """A saved state does not belong to this configuration (other shards, seed, stages, rank or worker)."""
-
-
 def describe(value: Any) -> Any:
     """A stable, plain description of a configuration value for fingerprints."""
     if value is None or isinstance(value, (bool, int, float, str)):
