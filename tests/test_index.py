@@ -21,6 +21,7 @@ import webdataset
 from shardutil import corpus_samples
 
 import wdsraft
+import wdsraft.io.storage
 from wdsraft.cli import main as cli_main
 
 REPO = Path(__file__).resolve().parent.parent
@@ -248,11 +249,11 @@ def test_failed_atomic_s3_write_leaves_no_open_upload(s3_bucket) -> None:
     # The write fails after smart_open has started a multipart upload. Left to the garbage collector,
     # the writer's close() would complete it as an empty object under the final name.
     with pytest.raises(TypeError):
-        wdsraft.storage.write_bytes_atomic(url, "not bytes")  # type: ignore[arg-type]
+        wdsraft.io.storage.write_bytes_atomic(url, "not bytes")  # type: ignore[arg-type]
     client = boto3.client("s3")
     assert client.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []) == []
     assert client.list_objects_v2(Bucket=s3_bucket).get("KeyCount", 0) == 0
-    wdsraft.storage.write_bytes_atomic(url, b"whole")
+    wdsraft.io.storage.write_bytes_atomic(url, b"whole")
     assert client.get_object(Bucket=s3_bucket, Key="ledger.bin")["Body"].read() == b"whole"
 
 

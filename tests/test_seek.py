@@ -12,7 +12,7 @@ import webdataset
 from shardutil import corpus_samples
 
 import wdsraft
-from wdsraft.gopen import open_shard
+from wdsraft.io.gopen import open_shard
 
 
 @pytest.fixture

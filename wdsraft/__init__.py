@@ -37,12 +37,11 @@ from webdataset.utils import PipelineStage, repeatedly
 from webdataset.writer import numpy_dumps, torch_dumps
 
 from wdsraft import autodecode, cache, extradatasets, handlers, llm, mix, pytorch  # noqa: F401 - submodules
+from wdsraft.compat import FluidInterface, FluidWrapper, WebDataset, WebLoader
 from wdsraft.core import distributed  # noqa: F401 - submodule, as before the move
 from wdsraft.core.errors import IndexFormatError, StateMismatchError, TarFormatError
 from wdsraft.core.fields import Position
-
-from .compat import FluidInterface, FluidWrapper, WebDataset, WebLoader
-from .filters import (
+from wdsraft.filters import (
     Cached,
     LMDBCached,
     associate,
@@ -68,10 +67,10 @@ from .filters import (
     unlisted,
     xdecode,
 )
-from .gopen import gopen, open_shard
-from .index import Manifest, ShardIndex, build_index
-from .ledger import ConsumedSet, Ledger, LedgerError
-from .llm import (
+from wdsraft.index import Manifest, ShardIndex, build_index
+from wdsraft.io.gopen import gopen, open_shard
+from wdsraft.ledger import ConsumedSet, Ledger, LedgerError
+from wdsraft.llm import (
     as_tokenizer,
     chunk,
     collate_sequences,
@@ -81,8 +80,8 @@ from .llm import (
     pad,
     tokenize,
 )
-from .pipeline import DataPipeline, Stage
-from .shardlists import (
+from wdsraft.pipeline import DataPipeline, Stage
+from wdsraft.shardlists import (
     MultiShardSample,
     ResampledShards,
     SimpleShardList,
@@ -93,8 +92,8 @@ from .shardlists import (
     split_by_node,
     split_by_worker,
 )
-from .tariterators import ShardSampleReader, TarfileToSamples, tarfile_samples, tarfile_to_samples
-from .writer import ShardWriter, TarWriter
+from wdsraft.tariterators import ShardSampleReader, TarfileToSamples, tarfile_samples, tarfile_to_samples
+from wdsraft.writer import ShardWriter, TarWriter
 
 __version__ = "0.1.0"
 

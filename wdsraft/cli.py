@@ -16,11 +16,10 @@ import braceexpand
 from tqdm import tqdm
 
 from wdsraft.core.errors import IndexFormatError, TarFormatError
-
-from .gopen import s3_client
-from .index import MANIFEST_NAME, ShardIndex, build_index, manifest_for
-from .ledger_cli import add_ledger_commands
-from .tariterators import ShardSampleReader
+from wdsraft.index import MANIFEST_NAME, ShardIndex, build_index, manifest_for
+from wdsraft.io.s3 import s3_client
+from wdsraft.ledger_cli import add_ledger_commands
+from wdsraft.tariterators import ShardSampleReader
 
 logger = logging.getLogger("wdsraft")
 
@@ -117,7 +116,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def _size(text: str) -> int:
-    from .convert import parse_size
+    from wdsraft.convert import parse_size
 
     try:
         return parse_size(text)
@@ -126,7 +125,7 @@ def _size(text: str) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from .convert import ConvertError, ConvertOptions, convert, slurm_array_task
+    from wdsraft.convert import ConvertError, ConvertOptions, convert, slurm_array_task
 
     task_index, task_count = args.task_index, args.task_count
     array_task = slurm_array_task()
@@ -244,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--limit", type=int, default=0, help="stop after this many samples")
     ls.set_defaults(func=cmd_ls)
 
-    from .convert import DEFAULT_SAMPLES_PER_SHARD, FORMATS, PHASES, default_workers
+    from wdsraft.convert import DEFAULT_SAMPLES_PER_SHARD, FORMATS, PHASES, default_workers
 
     conv = commands.add_parser(
         "convert",

@@ -22,12 +22,11 @@ from webdataset import shardlists as webdataset_shardlists
 from webdataset.compat import FluidInterface as WebdatasetFluidInterface
 from webdataset.handlers import reraise_exception
 
+from wdsraft import filters, llm
 from wdsraft.core.state import describe
-
-from . import filters, llm
-from .pipeline import Address, Context, DataPipeline, SourceStage, Stage
-from .shardlists import ResampledShards, SimpleShardList, single_node_only, split_by_worker
-from .tariterators import TarfileToSamples
+from wdsraft.pipeline import Address, Context, DataPipeline, SourceStage, Stage
+from wdsraft.shardlists import ResampledShards, SimpleShardList, single_node_only, split_by_worker
+from wdsraft.tariterators import TarfileToSamples
 
 __all__ = ["FluidInterface", "FluidWrapper", "WebDataset", "WebLoader"]
 

@@ -48,11 +48,10 @@ from webdataset.filters import (
     xdecode,
 )
 
+from wdsraft import llm
 from wdsraft.core.errors import StateMismatchError
 from wdsraft.core.state import describe, make_seed, pack_rng, unpack_rng
-
-from . import llm
-from .pipeline import Address, AddressTracker, Context, Stage, pack_addresses, unpack_addresses
+from wdsraft.pipeline import Address, AddressTracker, Context, Stage, pack_addresses, unpack_addresses
 
 __all__ = [
     "Cached",

@@ -27,10 +27,10 @@ from urllib.parse import urlparse
 import msgpack
 
 from wdsraft.core.errors import IndexFormatError
-
-from .gopen import gopen, uncompressed
-from .storage import write_bytes_atomic
-from .tariterators import ShardSampleReader
+from wdsraft.io.compression import uncompressed
+from wdsraft.io.gopen import gopen
+from wdsraft.io.storage import write_bytes_atomic
+from wdsraft.tariterators import ShardSampleReader
 
 INDEX_FORMAT = "wdsraft-shard-index"
 INDEX_VERSION = 1

@@ -38,12 +38,12 @@ from pyroaring import BitMap
 from wdsraft.core.distributed import rank_and_world_size
 from wdsraft.core.errors import IndexFormatError, StateMismatchError
 from wdsraft.core.fields import ORDINAL_FIELD
-
-from .gopen import gopen, s3_client
-from .llm import PROVENANCE
-from .pipeline import state_epoch
-from .shardlists import UrlList
-from .storage import exists, local_path, write_bytes_atomic
+from wdsraft.io.gopen import gopen
+from wdsraft.io.s3 import s3_client
+from wdsraft.io.storage import exists, local_path, write_bytes_atomic
+from wdsraft.llm import PROVENANCE
+from wdsraft.pipeline import state_epoch
+from wdsraft.shardlists import UrlList
 
 logger = logging.getLogger(__name__)
 

@@ -10,10 +10,9 @@ from collections import defaultdict
 from typing import Any
 
 from wdsraft.core.errors import IndexFormatError
-
-from .index import Manifest, ShardIndex
-from .ledger import ConsumedSet, Ledger, LedgerError, RankFile, counted
-from .storage import local_path, remove
+from wdsraft.index import Manifest, ShardIndex
+from wdsraft.io.storage import local_path, remove
+from wdsraft.ledger import ConsumedSet, Ledger, LedgerError, RankFile, counted
 
 
 def add_ledger_commands(commands: Any) -> None:

@@ -34,8 +34,15 @@ import torch
 
 from wdsraft.core.errors import StateMismatchError
 from wdsraft.core.state import describe
-
-from .pipeline import Address, AddressTracker, Context, Stage, in_dataloader_worker, pack_addresses, unpack_addresses
+from wdsraft.pipeline import (
+    Address,
+    AddressTracker,
+    Context,
+    Stage,
+    in_dataloader_worker,
+    pack_addresses,
+    unpack_addresses,
+)
 
 __all__ = [
     "Chunk",

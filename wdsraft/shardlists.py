@@ -32,8 +32,7 @@ from webdataset.utils import make_seed as webdataset_make_seed
 
 from wdsraft.core.distributed import pytorch_worker_seed, worker_info
 from wdsraft.core.state import describe, fingerprint
-
-from .pipeline import Context, Stage
+from wdsraft.pipeline import Context, Stage
 
 __all__ = [
     "DirectoryShardList",

@@ -22,11 +22,11 @@ from webdataset.tariterators import base_plus_ext, group_by_keys, valid_sample
 from wdsraft.core.errors import IndexFormatError, StateMismatchError
 from wdsraft.core.fields import OFFSET_FIELD, ORDINAL_FIELD
 from wdsraft.core.state import describe
-
-from .gopen import open_shard, uncompressed
-from .pipeline import Address, Context, SourceStage
-from .storage import local_path
-from .tarformat import BLOCK, TarMember, TarMemberReader
+from wdsraft.io.compression import uncompressed
+from wdsraft.io.gopen import open_shard
+from wdsraft.io.storage import local_path
+from wdsraft.pipeline import Address, Context, SourceStage
+from wdsraft.tarformat import BLOCK, TarMember, TarMemberReader
 
 __all__ = [
     "ShardSampleReader",
@@ -346,7 +346,7 @@ class TarfileToSamples(SourceStage):
         if consumed is None:
             yield self._marking(ctx, url, self._reader(url, offset, ordinal))
             return
-        from .index import ShardIndex  # the index module reads shards with this one: import late
+        from wdsraft.index import ShardIndex  # the index module reads shards with this one: import late
 
         try:
             offsets = ShardIndex.load(url).offsets
@@ -404,7 +404,7 @@ class TarfileToSamples(SourceStage):
     def _read_spans(
         self, url: str, path: str, by_offset: dict[int, list[int]], ordinals: dict[tuple[str, int], int]
     ) -> dict[int, dict[str, Any]] | None:
-        from .index import ShardIndex  # the index module reads shards with this one: import late
+        from wdsraft.index import ShardIndex  # the index module reads shards with this one: import late
 
         try:
             index = ShardIndex.load(url)

