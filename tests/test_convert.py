@@ -41,7 +41,7 @@ from wdsraft.convert import (
     parse_size,
     tar_safe_key,
 )
-from wdsraft.index import ShardIndex
+from wdsraft.index.shard_index import ShardIndex
 
 PYTHON = sys.executable
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from shardutil import corpus_samples
 
 import wdsraft
-from wdsraft.tarformat import TarMemberReader
+from wdsraft.tar.members import TarMemberReader
 
 
 @pytest.fixture(scope="module")

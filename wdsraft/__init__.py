@@ -67,7 +67,8 @@ from wdsraft.filters import (
     unlisted,
     xdecode,
 )
-from wdsraft.index import Manifest, ShardIndex, build_index
+from wdsraft.index.manifest import Manifest
+from wdsraft.index.shard_index import ShardIndex
 from wdsraft.io.gopen import gopen, open_shard
 from wdsraft.ledger import ConsumedSet, Ledger, LedgerError
 from wdsraft.llm import (
@@ -92,8 +93,10 @@ from wdsraft.shardlists import (
     split_by_node,
     split_by_worker,
 )
-from wdsraft.tariterators import ShardSampleReader, TarfileToSamples, tarfile_samples, tarfile_to_samples
-from wdsraft.writer import ShardWriter, TarWriter
+from wdsraft.tar.indexer import build_index
+from wdsraft.tar.reader import ShardSampleReader, tarfile_samples
+from wdsraft.tar.writer import ShardWriter, TarWriter
+from wdsraft.tariterators import TarfileToSamples, tarfile_to_samples
 
 __version__ = "0.1.0"
 

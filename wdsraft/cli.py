@@ -16,10 +16,12 @@ import braceexpand
 from tqdm import tqdm
 
 from wdsraft.core.errors import IndexFormatError, TarFormatError
-from wdsraft.index import MANIFEST_NAME, ShardIndex, build_index, manifest_for
+from wdsraft.index.manifest import MANIFEST_NAME, manifest_for
+from wdsraft.index.shard_index import ShardIndex
 from wdsraft.io.s3 import s3_client
 from wdsraft.ledger_cli import add_ledger_commands
-from wdsraft.tariterators import ShardSampleReader
+from wdsraft.tar.indexer import build_index
+from wdsraft.tar.reader import ShardSampleReader
 
 logger = logging.getLogger("wdsraft")
 

@@ -60,12 +60,13 @@ import numpy as np
 import zstandard
 
 from wdsraft.core.errors import IndexFormatError
-from wdsraft.index import INDEX_SUFFIX, MANIFEST_NAME, Manifest, ManifestEntry, ShardIndex
+from wdsraft.index.manifest import MANIFEST_NAME, Manifest, ManifestEntry
+from wdsraft.index.shard_index import INDEX_SUFFIX, ShardIndex
 from wdsraft.io.compression import sniff_compression
 from wdsraft.io.gopen import gopen
 from wdsraft.io.s3 import s3_client, s3_endpoint_url, s5cmd_binary
 from wdsraft.io.storage import abort_write, is_s3, local_path, open_atomic, remove, write_bytes_atomic
-from wdsraft.tarformat import HeaderBuilder, end_of_archive
+from wdsraft.tar.format import HeaderBuilder, end_of_archive
 
 __all__ = [
     "BadRecord",

@@ -10,7 +10,8 @@ from collections import defaultdict
 from typing import Any
 
 from wdsraft.core.errors import IndexFormatError
-from wdsraft.index import Manifest, ShardIndex
+from wdsraft.index.manifest import Manifest
+from wdsraft.index.shard_index import ShardIndex
 from wdsraft.io.storage import local_path, remove
 from wdsraft.ledger import ConsumedSet, Ledger, LedgerError, RankFile, counted
 
