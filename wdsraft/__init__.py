@@ -67,9 +67,8 @@ from wdsraft.filters import (
     unlisted,
     xdecode,
 )
-from wdsraft.index.manifest import Manifest
-from wdsraft.index.shard_index import ShardIndex
-from wdsraft.io.gopen import gopen, open_shard
+from wdsraft.gopen import gopen, open_shard
+from wdsraft.index import Manifest, ShardIndex
 from wdsraft.ledger import ConsumedSet, Ledger, LedgerError
 from wdsraft.llm import (
     as_tokenizer,
@@ -94,9 +93,8 @@ from wdsraft.shardlists import (
     split_by_worker,
 )
 from wdsraft.tar.indexer import build_index
-from wdsraft.tar.reader import ShardSampleReader, tarfile_samples
-from wdsraft.tar.writer import ShardWriter, TarWriter
-from wdsraft.tariterators import TarfileToSamples, tarfile_to_samples
+from wdsraft.tariterators import ShardSampleReader, TarfileToSamples, tarfile_samples, tarfile_to_samples
+from wdsraft.writer import ShardWriter, TarWriter
 
 __version__ = "0.1.0"
 

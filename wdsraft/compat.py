@@ -24,9 +24,11 @@ from webdataset.handlers import reraise_exception
 
 from wdsraft import filters, llm
 from wdsraft.core.state import describe
-from wdsraft.pipeline import Address, Context, DataPipeline, SourceStage, Stage
-from wdsraft.shardlists import ResampledShards, SimpleShardList, single_node_only, split_by_worker
-from wdsraft.tariterators import TarfileToSamples
+from wdsraft.pipeline.addresses import Address
+from wdsraft.pipeline.datapipeline import DataPipeline
+from wdsraft.pipeline.shardlists import ResampledShards, SimpleShardList, single_node_only, split_by_worker
+from wdsraft.pipeline.source import TarfileToSamples
+from wdsraft.pipeline.stage import Context, SourceStage, Stage
 
 __all__ = ["FluidInterface", "FluidWrapper", "WebDataset", "WebLoader"]
 

@@ -42,8 +42,8 @@ from wdsraft.io.gopen import gopen
 from wdsraft.io.s3 import s3_client
 from wdsraft.io.storage import exists, local_path, write_bytes_atomic
 from wdsraft.llm import PROVENANCE
-from wdsraft.pipeline import state_epoch
-from wdsraft.shardlists import UrlList
+from wdsraft.pipeline.datapipeline import state_epoch
+from wdsraft.pipeline.shardlists import UrlList
 
 logger = logging.getLogger(__name__)
 

@@ -34,15 +34,8 @@ import torch
 
 from wdsraft.core.errors import StateMismatchError
 from wdsraft.core.state import describe
-from wdsraft.pipeline import (
-    Address,
-    AddressTracker,
-    Context,
-    Stage,
-    in_dataloader_worker,
-    pack_addresses,
-    unpack_addresses,
-)
+from wdsraft.pipeline.addresses import Address, pack_addresses, unpack_addresses
+from wdsraft.pipeline.stage import AddressTracker, Context, Stage, in_dataloader_worker
 
 __all__ = [
     "Chunk",

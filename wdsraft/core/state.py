@@ -87,3 +87,9 @@ def make_seed(*parts: Any) -> int:
     """A 63-bit seed from ints and strings, the same in every process (unlike ``hash()``)."""
     digest = hashlib.sha256(repr(parts).encode("utf-8")).digest()
     return int.from_bytes(digest[:8], "little") >> 1
+
+
+def config_text(config: dict[str, Any]) -> str:
+    """The configuration a state was saved with, for the message when it does not match: one JSON
+    string, so that taking a state (every few steps, in every worker) does not copy a tree."""
+    return json.dumps(describe(config), sort_keys=True, separators=(",", ":"))

@@ -1,0 +1,162 @@
+"""``batched``, ``unbatched`` and ``unlisted``, checkpointable: a partial batch is saved as its
+items' addresses, a batch being split as the batch's address and the index within it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from webdataset.filters import (
+    default_collation_fn,
+)
+
+from wdsraft import llm
+from wdsraft.core.errors import StateMismatchError
+from wdsraft.core.state import describe
+from wdsraft.pipeline.addresses import Address, pack_addresses, unpack_addresses
+from wdsraft.pipeline.stage import AddressTracker, Context, Stage
+
+
+class batched(Stage):
+    """Group items into batches of ``batchsize`` (collated with ``collation_fn``), as webdataset's.
+
+    A batch is handed out as soon as it is full, so between two batches nothing is held;
+    the partial batch at a checkpoint (if batching is not the last stage) is saved as addresses.
+    """
+
+    def __init__(
+        self, batchsize: int = 20, collation_fn: Callable[[list[Any]], Any] | None = default_collation_fn, partial=True
+    ):
+        self.batchsize = batchsize
+        self.collation_fn = collation_fn
+        self.partial = partial
+        self._addresses: list[Address | None] = []
+
+    def config(self) -> dict[str, Any]:
+        return {"batchsize": self.batchsize, "collation_fn": describe(self.collation_fn), "partial": self.partial}
+
+    def state_dict(self) -> dict[str, Any]:
+        if None in self._addresses:
+            raise StateMismatchError(f"cannot save stage {self.index} (batched): its partial batch has no positions")
+        return {"partial": pack_addresses(self._addresses)}  # type: ignore[arg-type]
+
+    def addresses(self) -> list[Address]:
+        return [address for address in self._addresses if address is not None]
+
+    def run(self, ctx: Context, src: Iterator[Any] | None, state: dict[str, Any] | None) -> Iterator[Any]:
+        assert src is not None
+        self._addresses = unpack_addresses(state["partial"]) if state else []  # type: ignore[assignment]
+        return self._batches(ctx, src)
+
+    def _batches(self, ctx: Context, src: Iterator[Any]) -> Iterator[Any]:
+        addresses = self._addresses
+        batch: list[Any] = ctx.rematerializers[self.index](list(addresses)) if addresses else []  # type: ignore[arg-type]
+        tracker = AddressTracker(ctx)
+        for sample in src:
+            batch.append(sample)
+            addresses.append(tracker.address())
+            if len(batch) >= self.batchsize:
+                out = self._emit(ctx, batch)
+                batch.clear()  # before handing it out: a checkpoint taken now holds no partial batch
+                addresses.clear()
+                yield out
+        if batch and (len(batch) == self.batchsize or self.partial):
+            out = self._emit(ctx, batch)
+            batch.clear()
+            addresses.clear()
+            yield out
+
+    def _emit(self, ctx: Context, batch: list[Any]) -> Any:
+        ctx.provenance = None  # a batch has many sources: stages after it cannot address it
+        if self.collation_fn is None:
+            return list(batch)
+        if self.collation_fn in (default_collation_fn, llm.collate_sequences) and llm.is_sequence(batch[0]):
+            collated = llm.collate_sequences(list(batch))  # webdataset's collation cannot stack cu_seqlens
+            llm.collated_here(collated)
+            return collated
+        return self.collation_fn(list(batch))
+
+
+class _Splitter(Stage):
+    """Shared machinery of unbatched/unlisted: hands out the items of each incoming group one by one."""
+
+    def __init__(self) -> None:
+        self._group_address: Address | None = None
+        self._next = 0
+        self._pending = 0
+
+    def split(self, group: Any) -> list[Any]:
+        raise NotImplementedError
+
+    def replay(self, src: Iterator[Any]) -> Iterator[Any]:
+        for group in src:
+            yield from self.split(group)
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._pending and self._group_address is None:
+            raise StateMismatchError(
+                f"cannot save stage {self.index} ({type(self).__name__}): it is in the middle of a batch made "
+                "inside this pipeline, which cannot be re-read; put unbatching after a DataLoader (WebLoader) "
+                "or save between batches"
+            )
+        group = list(self._group_address) if self._pending and self._group_address is not None else None
+        return {"group": group, "next": self._next}
+
+    def addresses(self) -> list[Address]:
+        return [self._group_address] if self._pending and self._group_address is not None else []
+
+    def run(self, ctx: Context, src: Iterator[Any] | None, state: dict[str, Any] | None) -> Iterator[Any]:
+        assert src is not None
+        resume = state is not None and state.get("group") is not None
+        self._group_address = tuple(state["group"]) if resume else None  # type: ignore[index]
+        self._next = state["next"] if resume else 0  # type: ignore[index]
+        self._pending = 1 if resume else 0  # until the group is re-read and its length known
+        return self._items(ctx, src)
+
+    def _items(self, ctx: Context, src: Iterator[Any]) -> Iterator[Any]:
+        tracker = AddressTracker(ctx)
+        if self._pending:
+            address = self._group_address
+            assert address is not None
+            (group,) = ctx.rematerializers[self.index]([address])
+            yield from self._hand_out(ctx, group, address, self._next)
+        for group in src:
+            yield from self._hand_out(ctx, group, tracker.address(), 0)
+
+    def _hand_out(self, ctx: Context, group: Any, address: Address | None, start: int) -> Iterator[Any]:
+        items = self.split(group)
+        self._group_address = address
+        for position in range(start, len(items)):
+            self._next = position + 1
+            self._pending = len(items) - position - 1
+            if address is None:
+                ctx.provenance = None
+            else:  # item `position` of what replaying the stages up to here makes of the group's source
+                ctx.stamp((*address[:-1], address[-1] + position))
+            yield items[position]
+        self._pending = 0
+
+
+class unbatched(_Splitter):
+    """Split collated batches (tuples/lists of columns, or dicts of columns) back into items."""
+
+    def split(self, sample: Any) -> list[Any]:
+        if isinstance(sample, (list, tuple)):
+            return [tuple(x[i] for x in sample) for i in range(len(sample[0]))]
+        if llm.is_sequence_batch(sample):  # (batch-level cu_seqlens/max_seqlen do not split by row)
+            return llm.split_sequence_batch(sample)
+        if isinstance(sample, dict):
+            lengths = {len(v) for v in sample.values()}
+            assert len(lengths) == 1, lengths
+            n = next(iter(lengths))
+            return [{k: v[i] for k, v in sample.items()} for i in range(n)]
+        raise ValueError(f"unknown sample type: {type(sample)}")
+
+
+class unlisted(_Splitter):
+    """Split lists (batches made with ``collation_fn=None``) back into items."""
+
+    def split(self, batch: Any) -> list[Any]:
+        assert isinstance(batch, list), batch
+        return batch

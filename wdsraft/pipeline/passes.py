@@ -1,0 +1,195 @@
+"""One pass over a pipeline's stages, restored from a state: re-read the items buffered stages held
+(by address) through the stateless stages between the source and them, then go on.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable, Iterator
+from itertools import islice
+from typing import TYPE_CHECKING, Any
+
+from wdsraft.core.distributed import WorkerInfo
+from wdsraft.core.errors import StateMismatchError
+from wdsraft.core.state import STATE_FORMAT, STATE_VERSION, config_text
+from wdsraft.pipeline.addresses import Address
+from wdsraft.pipeline.stage import Context, SourceStage, Stage, invoke_stage
+
+if TYPE_CHECKING:  # (the pipeline imports this module to run its passes)
+    from wdsraft.pipeline.datapipeline import DataPipeline
+
+logger = logging.getLogger(__name__)
+
+
+class _Pass:
+    """One pass over a pipeline's stages: builds the chain of iterators, restoring stages if asked."""
+
+    def __init__(self, pipeline: DataPipeline, ctx: Context, states: dict[str, Any] | None):
+        self.pipeline = pipeline
+        self.ctx = ctx
+        self.states = states or {}
+        self.stages = pipeline.pipeline
+        self.source_index = next((i for i, s in enumerate(self.stages) if isinstance(s, SourceStage)), None)
+
+    def iterator(self) -> Iterator[Any]:
+        ctx, stages = self.ctx, self.stages
+        ctx.stages = stages
+        source: Any = None
+        for index, stage in enumerate(stages):
+            if isinstance(stage, Stage):
+                stage.index = index
+                state = self.states.get(str(index))
+                if isinstance(stage, SourceStage):
+                    ctx.source = stage
+                elif self.source_index is not None and index > self.source_index:
+                    ctx.rematerializers[index] = self._rematerializer(index)
+                source = stage.run(ctx, source, state)
+            elif index == 0:
+                source = self.pipeline.invoke(stage)
+            else:
+                source = self.pipeline.invoke(stage, source)
+        return source
+
+    def _rematerializer(self, index: int) -> Callable[[list[Address]], list[Any]]:
+        """Re-create the items a stage held: re-read raw items, replay the stateless stages in between."""
+        assert self.source_index is not None
+        between = self.stages[self.source_index + 1 : index]
+        source = self.ctx.source  # (no reference to the pass itself: it would make a cycle through ctx)
+
+        def invoke(stage: Any, stream: Iterator[Any]) -> Iterator[Any]:
+            return stage.replay(stream) if isinstance(stage, Stage) else invoke_stage(stage, stream)
+
+        def rematerialize(addresses: list[Address]) -> list[Any]:
+            assert source is not None
+            raws = source.rematerialize([(*address[:-1], 0) for address in addresses])
+            items = []
+            for raw, address in zip(raws, addresses, strict=False):
+                stream: Any = iter([raw])
+                for stage in between:
+                    stream = invoke(stage, stream)
+                produced = list(islice(stream, address[-1] + 1))
+                if len(produced) <= address[-1]:
+                    raise StateMismatchError(f"re-reading item {address} gave nothing: are the stages deterministic?")
+                items.append(produced[address[-1]])
+            return items
+
+        return rematerialize
+
+    def state(self) -> dict[str, Any]:
+        states: dict[str, Any] = {}
+        live: list[Address] = []
+        for index, stage in enumerate(self.stages):
+            if not isinstance(stage, Stage):
+                continue
+            if self.source_index is not None and index < self.source_index:
+                states[str(index)] = stage.epoch_start_state()
+            elif isinstance(stage, SourceStage):
+                continue  # saved last: it needs the addresses the stages after it hold
+            else:
+                states[str(index)] = stage.state_dict()
+        if self.source_index is not None:
+            source = self.stages[self.source_index]
+            if source.needs_live_addresses:
+                live = self.ctx.live_addresses()
+            states[str(self.source_index)] = source.source_state(live)
+        return states
+
+
+class _Iteration:
+    """A whole ``iter()`` of a pipeline: its passes (one per epoch) and the ``with_epoch`` window."""
+
+    def __init__(
+        self,
+        pipeline: DataPipeline,
+        info: WorkerInfo,
+        first_epoch: int,
+        pending: dict[str, Any] | None,
+        continued: dict[str, int] | None = None,
+    ):
+        self.pipeline = pipeline
+        self.info = info
+        self.first_epoch = first_epoch
+        counters = pending or continued
+        self.repetition = counters["repetition"] if counters else 0
+        self.yielded = counters["yielded"] if counters else 0  # items handed out in this iter() (with_epoch)
+        # A continued iteration's first pass may come out empty (all of it consumed) without ending it;
+        # a state taken before that pass ends says so ("continued").
+        self.may_start_empty = continued is not None or bool(pending and pending.get("continued"))
+        self.pass_count = pending["pass_count"] if pending else 0  # items handed out in the current pass
+        self.stage_states = pending["stages"] if pending else None
+        self.finished = False
+        self.current: _Pass | None = None
+        self.window_closed = False  # restored right after the last item of a with_epoch window
+        # The configuration cannot change during an iteration: describe it once, not at every state_dict().
+        self.config = config_text({**pipeline.config(), "worker": list(info)})
+        self.fingerprint = pipeline.fingerprint(info)
+
+    @property
+    def epoch(self) -> int:
+        return self.first_epoch + self.repetition
+
+    def __iter__(self) -> Iterator[Any]:
+        try:
+            yield from self._run()
+        finally:  # finished or dropped: leave the state behind for state_dict() calls after the loop
+            try:
+                self.pipeline._last_state = self.state_dict()
+            except Exception:  # a state that cannot be taken now will fail loudly when asked for directly
+                self.pipeline._last_state = None
+
+    def _run(self) -> Iterator[Any]:
+        pipeline = self.pipeline
+        limit = pipeline.nsamples if pipeline.repetitions != 1 and pipeline.nsamples > 0 else None
+        if limit is not None and self.yielded >= limit:
+            # Saved just after the window's last item: nothing more in this iter(), and the next one starts
+            # the epoch after this one, as it would have without the restore.
+            pipeline.epoch = self.epoch
+            self.window_closed = True
+        while self.repetition < pipeline.repetitions and not (limit is not None and self.yielded >= limit):
+            pipeline.epoch = self.epoch
+            ctx = Context(self.epoch, self.info)
+            if pipeline._skip is not None and pipeline._skip[0] == self.epoch:
+                ctx.skip = pipeline._skip[1]
+            self.current = _Pass(pipeline, ctx, self.stage_states)
+            self.stage_states = None
+            window_full = False
+            for item in self.current.iterator():
+                self.yielded += 1
+                self.pass_count += 1
+                yield item
+                if limit is not None and self.yielded >= limit:
+                    window_full = True
+                    break
+            if window_full:
+                break
+            # As webdataset: a pass without data ends the repetitions (but not a continued pass whose data
+            # was all consumed before).
+            empty = self.pass_count == 0 and not self.may_start_empty
+            self.may_start_empty = False
+            self.repetition += 1
+            self.pass_count = 0
+            self.current = None
+            if empty:
+                break
+        self.finished = True
+
+    def state_dict(self) -> dict[str, Any]:
+        pipeline = self.pipeline
+        if self.finished:
+            next_epoch = self.epoch + (1 if self.current is not None or self.window_closed else 0)
+            return {**pipeline._initial_state(), "epoch": next_epoch, "finished": True}
+        return {
+            "format": STATE_FORMAT,
+            "version": STATE_VERSION,
+            "fingerprint": self.fingerprint,
+            "config": self.config,
+            "epoch": self.first_epoch,
+            "repetition": self.repetition,
+            "yielded": self.yielded,
+            "continued": self.may_start_empty,
+            "pass_count": self.pass_count,
+            # Before the first item of a restored pass, the stages still hold the loaded states.
+            "stages": self.current.state() if self.current is not None else copy.deepcopy(self.stage_states),
+            **pipeline.seed_record(),
+        }

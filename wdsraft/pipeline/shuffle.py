@@ -1,0 +1,169 @@
+"""``shuffle`` and ``detshuffle``: webdataset's buffer shuffle, checkpointable.
+
+They produce exactly webdataset's streams for the same seeds; shuffles reshuffle every
+epoch (``reshuffle_each_epoch=False`` gives webdataset's same-order-every-epoch behaviour).
+The buffer is saved as the addresses of the items it holds, re-read on restore.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from typing import Any
+
+from wdsraft.core.errors import StateMismatchError
+from wdsraft.core.state import describe, make_seed, pack_rng, unpack_rng
+from wdsraft.pipeline.addresses import Address, pack_addresses, unpack_addresses
+from wdsraft.pipeline.stage import AddressTracker, Context, Stage
+
+
+class shuffle(Stage):
+    """Buffer shuffle, webdataset's algorithm: fill to ``initial``, then pick at random while refilling.
+
+    State: the RNG (2.5 KB), the buffered items as addresses (their positions in the
+    shards), and whether the input has ended. Upstream of the tar reader (a shard
+    shuffle), it is replayed from the start of the epoch instead.
+    """
+
+    def __init__(
+        self,
+        bufsize: int = 1000,
+        initial: int = 100,
+        rng: random.Random | None = None,
+        seed: Any = None,
+        handler: Any = None,
+        reshuffle_each_epoch: bool = True,
+    ):
+        if seed is not None and rng is not None:
+            raise ValueError("shuffle: give seed or rng, not both")
+        self.bufsize = bufsize
+        self.initial = initial
+        self.rng = rng
+        self.seed = seed
+        self.reshuffle_each_epoch = reshuffle_each_epoch
+        # No seed: draw one now (webdataset seeds from the clock at each run); it travels in the state.
+        self._drawn = random.SystemRandom().getrandbits(63) if seed is None and rng is None else None
+        self._start_rng: str | None = None
+        self._rng: random.Random | None = None
+        self._addresses: list[Address | None] = []
+        self._exhausted = False
+
+    def config(self) -> dict[str, Any]:
+        return {
+            "bufsize": self.bufsize,
+            "initial": self.initial,
+            "seed": describe(self.seed),
+            "reshuffle_each_epoch": self.reshuffle_each_epoch,
+        }
+
+    def _epoch_rng(self, ctx: Context) -> random.Random:
+        if self.rng is not None:
+            return self.rng
+        seed = self.seed if self.seed is not None else self._drawn
+        if ctx.epoch == 0 or not self.reshuffle_each_epoch:
+            return random.Random(seed)  # epoch 0 draws exactly what webdataset draws for a seed
+        return random.Random(make_seed(seed, ctx.epoch))
+
+    def drawn_seed(self) -> Any:
+        return self._drawn
+
+    def adopt_seed(self, seed: Any) -> None:
+        if self.seed is None and self.rng is None:
+            self._drawn = seed
+
+    def epoch_start_state(self) -> dict[str, Any]:
+        return {"rng": self._start_rng}
+
+    def state_dict(self) -> dict[str, Any]:
+        if None in self._addresses:
+            raise StateMismatchError(
+                f"cannot save stage {self.index} (shuffle): it holds items whose position in the shards is unknown "
+                "(a stage before it merges items, e.g. batched); shuffle before batching"
+            )
+        return {
+            "rng": pack_rng(self._rng) if self._rng is not None else None,
+            "buffer": pack_addresses(self._addresses),  # type: ignore[arg-type]
+            "exhausted": self._exhausted,
+        }
+
+    def addresses(self) -> list[Address]:
+        return [address for address in self._addresses if address is not None]
+
+    def replay(self, src: Iterator[Any]) -> Iterator[Any]:
+        return src  # a permutation: each item stays what it was
+
+    def run(self, ctx: Context, src: Iterator[Any] | None, state: dict[str, Any] | None) -> Iterator[Any]:
+        assert src is not None
+        # Set up now, not when the generator first runs: a state taken before then must already be whole.
+        rng = unpack_rng(state["rng"]) if state is not None and state.get("rng") is not None else self._epoch_rng(ctx)
+        self._start_rng = pack_rng(rng)
+        self._rng = rng
+        self._addresses = []
+        self._exhausted = bool(state and state.get("exhausted"))
+        return self._shuffle(ctx, src, state, rng)
+
+    def _shuffle(
+        self, ctx: Context, src: Iterator[Any], state: dict[str, Any] | None, rng: random.Random
+    ) -> Iterator[Any]:
+        buf: list[Any] = []
+        addresses = self._addresses
+        if state is not None and state.get("buffer"):
+            restored = unpack_addresses(state["buffer"])
+            buf.extend(ctx.rematerializers[self.index](restored) if restored else [])
+            addresses.extend(restored)
+        tracker = AddressTracker(ctx)
+        initial = min(self.initial, self.bufsize)
+        src = iter(src)
+        if not self._exhausted:
+            for sample in src:
+                buf.append(sample)
+                addresses.append(tracker.address())
+                if len(buf) < self.bufsize:
+                    try:
+                        buf.append(next(src))
+                        addresses.append(tracker.address())
+                    except StopIteration:
+                        pass
+                if len(buf) >= initial:
+                    yield self._pick(ctx, buf, addresses, rng)
+        self._exhausted = True
+        while buf:
+            yield self._pick(ctx, buf, addresses, rng)
+
+    @staticmethod
+    def _pick(ctx: Context, buf: list[Any], addresses: list[Address | None], rng: random.Random) -> Any:
+        k = rng.randint(0, len(buf) - 1)
+        sample, address = buf[k], addresses[k]
+        buf[k], addresses[k] = buf[-1], addresses[-1]
+        buf.pop()
+        addresses.pop()
+        if address is not None:
+            ctx.stamp(address)
+        else:
+            ctx.provenance = None
+        return sample
+
+
+class detshuffle(shuffle):
+    """webdataset's ``detshuffle``: a buffer shuffle seeded with ``seed + epoch``.
+
+    The epoch is the pipeline's (see ``DataPipeline.set_epoch``), so it advances in
+    non-persistent DataLoader workers too.
+    """
+
+    def __init__(self, bufsize: int = 1000, initial: int = 100, seed: Any = 0, epoch: int = -1):
+        super().__init__(bufsize, initial)
+        self._drawn = None  # seeded by seed + epoch: nothing drawn, nothing to carry in states
+        self.detseed = seed
+        self.epoch = epoch
+
+    def adopt_seed(self, seed: Any) -> None:
+        pass
+
+    def config(self) -> dict[str, Any]:
+        return {"bufsize": self.bufsize, "initial": self.initial, "seed": self.detseed, "epoch": self.epoch}
+
+    def _epoch_rng(self, ctx: Context) -> random.Random:
+        rng = random.Random()
+        rng.seed(self.detseed + self.epoch + 1 + ctx.epoch)
+        return rng

@@ -1,0 +1,72 @@
+"""``slice`` and ``check_empty``, checkpointable: their state is a count."""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Iterator
+from typing import Any
+
+from wdsraft.pipeline.stage import Context, Stage
+
+
+class slice(Stage):
+    """``itertools.islice`` over the items, with the count of items seen kept in the state."""
+
+    def __init__(self, *args: int | None):
+        self.args = args
+        self._seen = 0
+
+    def config(self) -> dict[str, Any]:
+        return {"args": list(self.args)}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seen": self._seen}
+
+    def replay(self, src: Iterator[Any]) -> Iterator[Any]:
+        return src  # items held downstream passed the slice
+
+    def run(self, ctx: Context, src: Iterator[Any] | None, state: dict[str, Any] | None) -> Iterator[Any]:
+        assert src is not None
+        self._seen = state["seen"] if state else 0
+        return self._slice(src, builtins.slice(*self.args))
+
+    def _slice(self, src: Iterator[Any], bounds: builtins.slice) -> Iterator[Any]:
+        start, stop, step = bounds.start or 0, bounds.stop, bounds.step or 1
+        if stop is not None and self._seen >= stop:
+            return
+        for item in src:
+            index = self._seen
+            self._seen += 1
+            if index >= start and (index - start) % step == 0:
+                yield item
+            if stop is not None and self._seen >= stop:
+                return  # like islice: nothing more is pulled from upstream
+
+
+class check_empty(Stage):
+    """Raise if a whole pass produced nothing (webdataset.WebDataset's empty_check), counting across restores."""
+
+    def __init__(self) -> None:
+        self._count = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"count": self._count}
+
+    def replay(self, src: Iterator[Any]) -> Iterator[Any]:
+        return src
+
+    def run(self, ctx: Context, src: Iterator[Any] | None, state: dict[str, Any] | None) -> Iterator[Any]:
+        assert src is not None
+        self._count = state["count"] if state else 0
+        # Resuming elastically, a worker may find all its shards consumed already: nothing is wrong.
+        return self._check(src, skipping=ctx.skip is not None)
+
+    def _check(self, src: Iterator[Any], skipping: bool) -> Iterator[Any]:
+        for sample in src:
+            self._count += 1
+            yield sample
+        if self._count == 0 and not skipping:
+            raise ValueError(
+                "No samples found in dataset; perhaps you have fewer shards than workers.\n"
+                "Turn off using empty_check=False in the WebDataset constructor."
+            )

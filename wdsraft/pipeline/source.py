@@ -1,0 +1,320 @@
+"""The checkpointable source: ``TarfileToSamples`` turns a stream of shard URLs into samples.
+
+Its state is how many shards it has started this epoch, the current shard, and the byte
+offset and ordinal of the next sample: resuming seeks straight there. Items it hands out
+are addressed by ``(url, ordinal, offset)``.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+from collections.abc import Callable, Iterator
+from typing import IO, Any
+
+from webdataset.handlers import reraise_exception
+
+from wdsraft.core.errors import IndexFormatError, StateMismatchError
+from wdsraft.core.fields import OFFSET_FIELD, ORDINAL_FIELD
+from wdsraft.core.state import describe
+from wdsraft.io.storage import local_path
+from wdsraft.pipeline.addresses import Address
+from wdsraft.pipeline.stage import Context, SourceStage
+from wdsraft.tar.format import BLOCK
+from wdsraft.tar.reader import ShardSampleReader
+
+logger = logging.getLogger(__name__)
+
+
+Handler = Callable[[BaseException], bool]
+
+
+class TarfileToSamples(SourceStage):
+    """The pipeline stage that turns a stream of shard URLs into samples, checkpointably.
+
+    Its state is how many shards it has started this epoch, the current shard, and the
+    byte offset and ordinal of the next sample: resuming seeks straight there. Items it
+    hands out are addressed by ``(url, ordinal, offset)``, so buffering stages downstream
+    save positions and re-read them on restore.
+    """
+
+    def __init__(
+        self,
+        handler: Handler = reraise_exception,
+        select_files: Callable[[str], bool] | None = None,
+        rename_files: Callable[[str], str] | None = None,
+        local_path: bool = False,
+    ):
+        self.handler = handler
+        self.select_files = select_files
+        self.rename_files = rename_files
+        self.local_path = local_path  # add __local_path__ for local shards, as webdataset.WebDataset does
+        self._live: dict[str, Any] = self._fresh()
+        self._token_marks: dict[str, dict[int, int]] = {}  # a ledger's partly delivered documents
+
+    @staticmethod
+    def _fresh() -> dict[str, Any]:
+        return {"shards_started": 0, "url": None, "offset": 0, "ordinal": 0, "done": False}
+
+    def config(self) -> dict[str, Any]:
+        return {
+            "select_files": describe(self.select_files),
+            "rename_files": describe(self.rename_files),
+            "handler": describe(self.handler),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self._live)
+
+    def run(self, ctx: Context, src: Iterator[Any] | None, state: dict[str, Any] | None) -> Iterator[dict[str, Any]]:
+        if src is None:
+            raise ValueError("tarfile_to_samples needs a stream of shard URLs before it")
+        # Adopt the state now: a state taken before the generator first runs must be this one.
+        self._live = dict(state) if state is not None else self._fresh()
+        self._token_marks = ctx.skip.tokens if ctx.skip is not None else {}
+        return self._samples(ctx, src, state)
+
+    def _reader(
+        self, url: str, offset: int, ordinal: int, block_size: int = 1 << 20, stream: IO[bytes] | None = None
+    ) -> ShardSampleReader:
+        return ShardSampleReader(
+            url,
+            offset=offset,
+            ordinal=ordinal,
+            handler=self.handler,
+            select_files=self.select_files,
+            rename_files=self.rename_files,
+            stream=stream,
+            block_size=block_size,
+        )
+
+    def _samples(self, ctx: Context, src: Iterator[Any], resume: dict[str, Any] | None) -> Iterator[dict[str, Any]]:
+        live = self._live
+        started = 0
+        for source in src:
+            url = source["url"] if isinstance(source, dict) else source
+            started += 1
+            offset, ordinal = (
+                (source.get("offset", 0), source.get("ordinal", 0)) if isinstance(source, dict) else (0, 0)
+            )
+            if resume is not None and started <= resume["shards_started"]:
+                if started < resume["shards_started"]:
+                    continue  # finished before the checkpoint: not even opened
+                if url != resume["url"]:
+                    raise StateMismatchError(
+                        f"shard #{started} of this epoch is {url}, but the saved state was reading {resume['url']}: "
+                        "the shard list or its order changed"
+                    )
+                offset, ordinal = resume["offset"], resume["ordinal"]
+                if resume["done"]:
+                    continue
+            live.update(shards_started=started, url=url, offset=offset, ordinal=ordinal, done=False)
+            local = local_path(url) if self.local_path else None
+            stopped = False
+            try:
+                for reader in self._readers(ctx, url, offset, ordinal):
+                    for sample in reader:
+                        live["offset"], live["ordinal"] = reader.next_offset, reader.next_ordinal
+                        if local is not None:
+                            sample["__local_path__"] = local
+                        ctx.stamp((url, sample[ORDINAL_FIELD], sample[OFFSET_FIELD], 0))
+                        yield sample
+                    stopped = stopped or reader.stopped
+            except Exception as exn:
+                if not (exn.args and str(url) in str(exn.args[0])):
+                    exn.args = (*exn.args, url)
+                if not self.handler(exn):
+                    live["done"] = True
+                    return
+            live["done"] = True
+            if stopped:
+                return
+        if resume is not None and started < resume["shards_started"]:
+            raise StateMismatchError(
+                f"the saved state had started {resume['shards_started']} shards this epoch, but only {started} remain"
+            )
+
+    def _readers(self, ctx: Context, url: str, offset: int, ordinal: int) -> Iterator[Any]:
+        """Readers over what is left to read of a shard: all of it, or -- with a ledger's consumed set
+        (elastic resume) -- the runs of samples not yet consumed, found through the shard index so
+        consumed samples are not even read, and fully consumed shards not opened."""
+        consumed = ctx.skip.samples.get(url) if ctx.skip is not None else None
+        if consumed is None:
+            yield self._marking(ctx, url, self._reader(url, offset, ordinal))
+            return
+        from wdsraft.index.shard_index import ShardIndex  # the index module reads shards with this one: import late
+
+        try:
+            offsets = ShardIndex.load(url).offsets
+        except IndexFormatError:  # no index: read everything and drop what was consumed
+            yield _Filtered(self._marking(ctx, url, self._reader(url, offset, ordinal)), consumed)
+            return
+        run_start = ordinal
+        total = len(offsets) - 1
+        while run_start < total:
+            while run_start < total and run_start in consumed:
+                run_start += 1
+            run_end = run_start
+            while run_end < total and run_end not in consumed:
+                run_end += 1
+            if run_start < run_end:
+                reader = self._reader(url, offsets[run_start], run_start)
+                yield _Bounded(self._marking(ctx, url, reader), run_end)
+            run_start = run_end
+
+    def _marking(self, ctx: Context, url: str, reader: ShardSampleReader) -> ShardSampleReader:
+        tokens = ctx.skip.tokens.get(url) if ctx.skip is not None else None
+        return _TokenMarked(reader, tokens) if tokens else reader  # type: ignore[return-value]
+
+    def rematerialize(self, addresses: list[Address]) -> list[Any]:
+        """Re-read samples by (url, ordinal, offset).
+
+        A local, uncompressed shard with an index is read sample by sample (one positioned
+        read of exactly each sample's bytes), so the cost follows the number of samples
+        wanted and nothing else. Otherwise the wanted offsets are grouped into runs of nearby
+        samples, each read forward from its first offset (on S3/HTTP, a ranged read per run, after a
+        short read of the shard's first bytes to recognise its compression).
+        """
+        wanted: dict[str, dict[int, list[int]]] = {}
+        ordinals: dict[tuple[str, int], int] = {}
+        for slot, (url, ordinal, offset, _sub) in enumerate(addresses):
+            wanted.setdefault(url, {}).setdefault(offset, []).append(slot)
+            ordinals[url, offset] = ordinal
+        found: list[Any] = [None] * len(addresses)
+        for url, by_offset in wanted.items():
+            local = local_path(url)
+            samples = self._read_spans(url, local, by_offset, ordinals) if local is not None else None
+            if samples is None:
+                samples = self._read_runs(url, by_offset, ordinals)
+            marks = self._token_marks.get(url)
+            for offset, sample in samples.items():
+                if self.local_path and local is not None:
+                    sample["__local_path__"] = local
+                if marks and sample[ORDINAL_FIELD] in marks:  # as _TokenMarked does when reading
+                    sample[TOKEN_START_FIELD] = marks[sample[ORDINAL_FIELD]]
+                slots = by_offset[offset]
+                for slot in slots:
+                    found[slot] = sample if slot == slots[0] else dict(sample)
+        return found
+
+    def _read_spans(
+        self, url: str, path: str, by_offset: dict[int, list[int]], ordinals: dict[tuple[str, int], int]
+    ) -> dict[int, dict[str, Any]] | None:
+        from wdsraft.index.shard_index import ShardIndex  # the index module reads shards with this one: import late
+
+        try:
+            index = ShardIndex.load(url)
+        except (IndexFormatError, OSError):
+            return None
+        if index.compression is not None:
+            return None
+        samples = {}
+        with open(path, "rb", buffering=0) as raw:
+            for offset in sorted(by_offset):
+                ordinal = ordinals[url, offset]
+                if index.offset_of(ordinal) != offset:
+                    raise StateMismatchError(f"{url}: sample {ordinal} is not at byte {offset}: the shard changed")
+                span = os.pread(raw.fileno(), index.offsets[ordinal + 1] - offset, offset)
+                stream = io.BytesIO(span + bytes(2 * BLOCK))  # end-of-archive blocks after the one sample
+                reader = self._reader(url, offset, ordinal, block_size=len(span) + 2 * BLOCK, stream=stream)
+                sample = next(iter(reader), None)
+                if sample is None:
+                    raise StateMismatchError(f"{url}: no sample at byte {offset}")
+                samples[offset] = sample
+        return samples
+
+    def _read_runs(
+        self, url: str, by_offset: dict[int, list[int]], ordinals: dict[tuple[str, int], int]
+    ) -> dict[int, dict[str, Any]]:
+        samples = {}
+        for run in _runs(sorted(by_offset)):
+            pending = set(run)
+            for sample in self._reader(url, run[0], ordinals[url, run[0]], block_size=1 << 16):
+                offset = sample[OFFSET_FIELD]
+                if offset in pending:
+                    pending.discard(offset)
+                    samples[offset] = sample
+                if not pending or offset > run[-1]:
+                    break
+            if pending:
+                raise StateMismatchError(f"{url}: saved sample positions {sorted(pending)[:5]} not found")
+        return samples
+
+
+TOKEN_START_FIELD = "__token_start__"
+
+
+class _ReaderView:
+    """A reader seen through a filter; keeps the reader's resume position and stop flag visible."""
+
+    def __init__(self, reader: Any):
+        self.reader = reader
+
+    @property
+    def next_offset(self) -> int:
+        return self.reader.next_offset
+
+    @property
+    def next_ordinal(self) -> int:
+        return self.reader.next_ordinal
+
+    @property
+    def stopped(self) -> bool:
+        return self.reader.stopped
+
+
+class _Filtered(_ReaderView):
+    """Drops samples whose ordinal is consumed (shards without an index)."""
+
+    def __init__(self, reader: Any, consumed: Any):
+        super().__init__(reader)
+        self.consumed = consumed
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return (s for s in self.reader if s[ORDINAL_FIELD] not in self.consumed)
+
+
+class _Bounded(_ReaderView):
+    """Stops before ordinal ``end`` (a run of unconsumed samples)."""
+
+    def __init__(self, reader: Any, end: int):
+        super().__init__(reader)
+        self.end = end
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for sample in self.reader:
+            if sample[ORDINAL_FIELD] >= self.end:
+                return
+            yield sample
+            if sample[ORDINAL_FIELD] + 1 >= self.end:
+                return
+
+
+class _TokenMarked(_ReaderView):
+    """Marks documents partly delivered before (a ledger's token counts) so tokenize continues them."""
+
+    def __init__(self, reader: Any, tokens: dict[int, int]):
+        super().__init__(reader)
+        self.tokens = tokens
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for sample in self.reader:
+            start = self.tokens.get(sample[ORDINAL_FIELD])
+            if start:
+                sample[TOKEN_START_FIELD] = start
+            yield sample
+
+
+def _runs(offsets: list[int], gap: int = 1 << 18) -> list[list[int]]:
+    """Sorted offsets split where two neighbours lie more than ``gap`` bytes apart."""
+    runs: list[list[int]] = []
+    for offset in offsets:
+        if runs and offset - runs[-1][-1] <= gap:
+            runs[-1].append(offset)
+        else:
+            runs.append([offset])
+    return runs
+
+
+tarfile_to_samples = TarfileToSamples

@@ -1,0 +1,157 @@
+"""The stage contract: :class:`Stage` (a webdataset-compatible stage that can save and restore what it
+holds), :class:`SourceStage` (one that stamps items with addresses), the :class:`Context` a pass
+shares between stages, and :class:`AddressTracker` for stages that buffer items.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch.utils.data import DataLoader, IterableDataset
+from webdataset.utils import PipelineStage
+
+from wdsraft.core.distributed import WorkerInfo, worker_info
+from wdsraft.core.errors import StateMismatchError
+from wdsraft.pipeline.addresses import Address
+
+logger = logging.getLogger(__name__)
+
+
+class Context:
+    """What the stages of one pipeline iteration share.
+
+    ``provenance`` is the address of the raw item the source handed out last (with a
+    sub-index of 0); ``serial`` changes with every raw item, so a stage that receives
+    several items from one raw item (after ``unbatched``, say) can number them.
+    """
+
+    def __init__(self, epoch: int, info: WorkerInfo):
+        self.epoch = epoch
+        self.info = info
+        self.provenance: Address | None = None
+        self.serial = 0
+        self.source: SourceStage | None = None
+        self.rematerializers: dict[int, Callable[[list[Address]], list[Any]]] = {}
+        self.stages: list[Any] = []
+        #: A ledger's consumed set for this epoch (elastic resume): the source skips these positions.
+        self.skip: Any = None
+
+    def stamp(self, address: Address) -> None:
+        self.provenance = address
+        self.serial += 1
+
+    def live_addresses(self) -> list[Address]:
+        """Addresses of every item the stages after the source hold right now."""
+        return [
+            address
+            for stage in self.stages
+            if isinstance(stage, Stage) and not isinstance(stage, SourceStage)
+            for address in stage.addresses()
+        ]
+
+
+class AddressTracker:
+    """Gives each item a stage receives its address (raw item address + sub-index)."""
+
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+        self._serial = -1
+        self._next_sub = 0
+
+    def address(self) -> Address | None:
+        ctx = self.ctx
+        if ctx.provenance is None:
+            return None
+        if ctx.serial != self._serial:
+            self._serial, self._next_sub = ctx.serial, 0
+        base = ctx.provenance
+        sub = base[-1] + self._next_sub
+        self._next_sub += 1
+        return (*base[:-1], sub)
+
+
+class Stage:
+    """A pipeline stage that holds something between items and can save it.
+
+    Subclasses implement ``run(ctx, src, state)`` (a generator; ``state`` is what their
+    ``state_dict`` returned, or None for a fresh start), ``state_dict()`` and ``config()``.
+    Called as a plain function on an iterator (``stage(src)``, the way webdataset calls
+    stages), a stage runs without state, so it also works inside webdataset's own pipelines.
+    """
+
+    def replay(self, src: Iterator[Any]) -> Iterator[Any]:
+        """What this stage does to items, without state, for re-creating saved items downstream of it.
+
+        Stages that only reorder or hold items return ``src``; stages that split items split them;
+        stages that merge items (batching) cannot be replayed.
+        """
+        raise StateMismatchError(
+            f"stage {self.index} ({type(self).__name__}) merges items, so items after it cannot be re-created "
+            "from their sources; move buffering stages (shuffle) before it"
+        )
+
+    #: Index of this stage in its pipeline (set by the pipeline at the start of an iteration).
+    index = -1
+
+    def config(self) -> dict[str, Any]:
+        return {}
+
+    def run(self, ctx: Context, src: Iterator[Any] | None, state: dict[str, Any] | None) -> Iterator[Any]:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def epoch_start_state(self) -> dict[str, Any] | None:
+        """The state that replays this stage from the start of the epoch (for stages upstream of the source)."""
+        return None
+
+    def addresses(self) -> list[Address]:
+        """Addresses of the items this stage holds (so the source keeps what re-reading them needs)."""
+        return []
+
+    def drawn_seed(self) -> Any:
+        """A seed this stage drew itself (no seed was given); carried in every state so a fresh
+        pipeline built the same way adopts it."""
+        return None
+
+    def adopt_seed(self, seed: Any) -> None:
+        pass
+
+    def __call__(self, src: Iterator[Any] | None = None) -> Iterator[Any]:
+        return self.run(Context(0, worker_info()), src, None)
+
+
+class SourceStage(Stage):
+    """A stage that produces raw items with addresses and can re-read items by address."""
+
+    #: Whether ``source_state`` needs the addresses downstream stages hold (costly to gather every step).
+    needs_live_addresses = False
+
+    def rematerialize(self, addresses: list[Address]) -> list[Any]:
+        raise NotImplementedError
+
+    def source_state(self, live_addresses: list[Address]) -> dict[str, Any]:
+        """The state, given the addresses that buffering stages downstream still hold."""
+        return self.state_dict()
+
+
+def in_dataloader_worker() -> bool:
+    import torch.utils.data
+
+    return torch.utils.data.get_worker_info() is not None
+
+
+def invoke_stage(f: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run one stage the way webdataset's DataPipeline does."""
+    if isinstance(f, (IterableDataset, DataLoader)) and len(args) == 0:
+        return iter(f)
+    if isinstance(f, PipelineStage):
+        return f.run(*args, **kwargs)
+    if isinstance(f, list):
+        return iter(f)
+    if callable(f):
+        return f(*args, **kwargs)
+    raise ValueError(f"{f}: not a valid pipeline stage")
