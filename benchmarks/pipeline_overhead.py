@@ -33,7 +33,7 @@ from read_throughput import DEFAULT_CORPUS, FALLBACK_CORPUS
 from tokens import sequence_batches, write_shards
 
 import wdsraft as wds
-from wdsraft.llm import TokenizerAdapter
+from wdsraft.llm.tokenizers import TokenizerAdapter
 
 HERE = Path(__file__).resolve().parent
 

@@ -28,7 +28,7 @@ import numpy as np
 from torch.utils.data import IterableDataset, default_convert, get_worker_info
 
 import wdsraft as wds
-from wdsraft.llm import build_sequence
+from wdsraft.llm.sequences import build_sequence
 
 
 class ReadySequences(IterableDataset):

@@ -20,7 +20,7 @@ from test_pipeline import identity, resume, roundtrip, states_along
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 import wdsraft as wds
-from wdsraft.llm import build_sequence
+from wdsraft.llm.sequences import build_sequence
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # webdataset's advice warnings
 
@@ -648,7 +648,7 @@ def test_webloader_converts_arrays_but_leaves_metadata_alone() -> None:
 @given(lengths=st.lists(st.integers(0, 50), max_size=40), count=st.integers(1, 5))
 def test_tokenizer_runs_keep_order_and_balance(lengths, count) -> None:
     texts = ["x" * n for n in lengths]
-    runs = wds.llm._balanced_runs(texts, count)
+    runs = wds.llm.tokenizers._balanced_runs(texts, count)
     assert [t for run in runs for t in run] == texts
     assert len(runs) <= count and all(runs)
     if runs and count > 1:  # no run is longer than its share by more than one document

@@ -70,16 +70,12 @@ from wdsraft.filters import (
 from wdsraft.gopen import gopen, open_shard
 from wdsraft.index import Manifest, ShardIndex
 from wdsraft.ledger import ConsumedSet, Ledger, LedgerError
-from wdsraft.llm import (
-    as_tokenizer,
-    chunk,
-    collate_sequences,
-    concat_chunk,
-    ensure_bos_eos,
-    pack_bestfit,
-    pad,
-    tokenize,
-)
+from wdsraft.llm.bos_eos import ensure_bos_eos
+from wdsraft.llm.chunking import chunk, concat_chunk, pad
+from wdsraft.llm.collate import collate_sequences
+from wdsraft.llm.pack import pack_bestfit
+from wdsraft.llm.tokenize_stage import tokenize
+from wdsraft.llm.tokenizers import as_tokenizer
 from wdsraft.pipeline import DataPipeline, Stage
 from wdsraft.shardlists import (
     MultiShardSample,

@@ -41,7 +41,7 @@ from wdsraft.core.fields import ORDINAL_FIELD
 from wdsraft.io.gopen import gopen
 from wdsraft.io.s3 import s3_client
 from wdsraft.io.storage import exists, local_path, write_bytes_atomic
-from wdsraft.llm import PROVENANCE
+from wdsraft.llm.sequences import PROVENANCE
 from wdsraft.pipeline.datapipeline import state_epoch
 from wdsraft.pipeline.shardlists import UrlList
 
