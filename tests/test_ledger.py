@@ -393,10 +393,15 @@ def test_checkpoint_right_after_an_elastic_resume_names_the_resumed_epoch(tmp_pa
     assert len(epoch0) == len(everything(urls))
 
 
+def _pairs(batch) -> list[tuple[str, int]]:
+    return list(zip(batch["__url__"], batch["__ordinal__"].tolist(), strict=True))
+
+
 def test_exact_resume_keeps_the_ledger_in_step(tmp_path, urls) -> None:
     ledger = wds.Ledger(str(tmp_path / "l"), run="one", rank=0, world_size=1)
     loader = _sample_loader(urls, seed=3, batch=4)
-    stream = [b["__ordinal__"].tolist() for b in _sample_loader(urls, seed=3, batch=4)]
+    # Shard and ordinal: every shard numbers its samples 0-9, so ordinals alone cannot tell shards apart.
+    stream = [_pairs(b) for b in _sample_loader(urls, seed=3, batch=4)]
     for step, _batch in enumerate(ledger.track(loader), 1):
         if step == 5:
             saved = ledger.checkpoint(loader, step)
@@ -404,7 +409,7 @@ def test_exact_resume_keeps_the_ledger_in_step(tmp_path, urls) -> None:
     again = wds.Ledger(str(tmp_path / "l"), run="two", rank=0, world_size=1)
     same = _sample_loader(urls, seed=3, batch=4)
     assert again.resume(same, saved) == "exact"
-    rest = [b["__ordinal__"].tolist() for b in again.track(same)]
+    rest = [_pairs(b) for b in again.track(same)]
     assert rest == stream[5:]
     final = again.commit()
     assert consumed_pairs(again.consumed(0, final["lineage"])) == everything(urls)
