@@ -15,7 +15,8 @@ import pytest
 import tiktoken
 
 import wdsraft as wds
-from wdsraft.ledger import ConsumedSet, LedgerError, positions_of
+from wdsraft.core.errors import LedgerError
+from wdsraft.ledger.consumed import ConsumedSet, positions_of
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # webdataset's advice warnings
 
@@ -436,12 +437,12 @@ def test_ledger_refuses_pieces_of_a_document_out_of_order(tmp_path, urls, shuffl
 def test_piece_order_allows_repeats_and_refuses_gaps() -> None:
     """A document read twice (resampled shards, two workers) interleaves repeats of delivered pieces: no
     token is lost, nothing to stop. A piece beyond the next undelivered token would lose the gap."""
-    from wdsraft.ledger import _PieceOrder
+    from wdsraft.ledger.consumed import PieceOrder
 
     def sequence(*spans):
         return [["s.tar", 7, 0, start, end, last] for start, end, last in spans]
 
-    order = _PieceOrder()
+    order = PieceOrder()
     for spans in [(0, 32, False)], [(0, 32, False)], [(32, 64, False)], [(32, 64, False), (64, 80, True)]:
         order.check(sequence(*spans), epoch=0)
     order.check(sequence((0, 32, False)), epoch=0)

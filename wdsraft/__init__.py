@@ -39,7 +39,7 @@ from webdataset.writer import numpy_dumps, torch_dumps
 from wdsraft import autodecode, cache, extradatasets, handlers, llm, mix, pytorch  # noqa: F401 - submodules
 from wdsraft.compat import FluidInterface, FluidWrapper, WebDataset, WebLoader
 from wdsraft.core import distributed  # noqa: F401 - submodule, as before the move
-from wdsraft.core.errors import IndexFormatError, StateMismatchError, TarFormatError
+from wdsraft.core.errors import IndexFormatError, LedgerError, StateMismatchError, TarFormatError
 from wdsraft.core.fields import Position
 from wdsraft.filters import (
     Cached,
@@ -69,7 +69,8 @@ from wdsraft.filters import (
 )
 from wdsraft.gopen import gopen, open_shard
 from wdsraft.index import Manifest, ShardIndex
-from wdsraft.ledger import ConsumedSet, Ledger, LedgerError
+from wdsraft.ledger.consumed import ConsumedSet
+from wdsraft.ledger.ledger import Ledger
 from wdsraft.llm.bos_eos import ensure_bos_eos
 from wdsraft.llm.chunking import chunk, concat_chunk, pad
 from wdsraft.llm.collate import collate_sequences

@@ -19,7 +19,7 @@ from wdsraft.core.errors import IndexFormatError, TarFormatError
 from wdsraft.index.manifest import MANIFEST_NAME, manifest_for
 from wdsraft.index.shard_index import ShardIndex
 from wdsraft.io.s3 import s3_client
-from wdsraft.ledger_cli import add_ledger_commands
+from wdsraft.ledger.cli import add_ledger_commands
 from wdsraft.tar.indexer import build_index
 from wdsraft.tar.reader import ShardSampleReader
 

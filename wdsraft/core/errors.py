@@ -36,3 +36,7 @@ class IndexFormatError(ValueError):
 
 class StateMismatchError(ValueError):
     """A saved state does not belong to this configuration (other shards, seed, stages, rank or worker)."""
+
+
+class LedgerError(IndexFormatError):
+    """A ledger file is unreadable, torn, foreign, or does not belong to this ledger."""

@@ -9,11 +9,13 @@ import os
 from collections import defaultdict
 from typing import Any
 
-from wdsraft.core.errors import IndexFormatError
+from wdsraft.core.errors import IndexFormatError, LedgerError
 from wdsraft.index.manifest import Manifest
 from wdsraft.index.shard_index import ShardIndex
 from wdsraft.io.storage import local_path, remove
-from wdsraft.ledger import ConsumedSet, Ledger, LedgerError, RankFile, counted
+from wdsraft.ledger.consumed import ConsumedSet
+from wdsraft.ledger.ledger import Ledger
+from wdsraft.ledger.rank_file import RankFile, counted
 
 
 def add_ledger_commands(commands: Any) -> None:

@@ -20,273 +20,26 @@ and the checkpoint write) never treats samples from later steps as consumed.
 
 from __future__ import annotations
 
-import collections
-import hashlib
 import logging
 import operator
 import os
 import posixpath
-import secrets
 import time
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from typing import Any
 
-import msgpack
-from pyroaring import BitMap
-
 from wdsraft.core.distributed import rank_and_world_size
-from wdsraft.core.errors import IndexFormatError, StateMismatchError
-from wdsraft.core.fields import ORDINAL_FIELD
+from wdsraft.core.errors import LedgerError
 from wdsraft.io.gopen import gopen
 from wdsraft.io.s3 import s3_client
-from wdsraft.io.storage import exists, local_path, write_bytes_atomic
+from wdsraft.io.storage import exists, local_path
+from wdsraft.ledger.consumed import ConsumedSet, PieceOrder, _piece_positions, _pieces, positions_of
+from wdsraft.ledger.rank_file import SUFFIX, RankFile, counted, default_run_id
 from wdsraft.llm.sequences import PROVENANCE
 from wdsraft.pipeline.datapipeline import state_epoch
 from wdsraft.pipeline.shardlists import UrlList
 
 logger = logging.getLogger(__name__)
-
-LEDGER_FORMAT = "wdsraft-ledger"
-LEDGER_VERSION = 1
-SUFFIX = ".ledger"
-
-
-class LedgerError(IndexFormatError):
-    """A ledger file is unreadable, torn, foreign, or does not belong to this ledger."""
-
-
-@dataclass
-class ConsumedSet:
-    """What one epoch consumed: whole samples per shard, and documents delivered in part (tokens)."""
-
-    samples: dict[str, BitMap] = field(default_factory=dict)
-    tokens: dict[str, dict[int, int]] = field(default_factory=dict)  # shard -> ordinal -> tokens delivered
-
-    def add_samples(self, shard: str, ordinals: Iterable[int]) -> None:
-        self.samples.setdefault(shard, BitMap()).update(ordinals)
-
-    def add_tokens(self, shard: str, ordinal: int, token_end: int) -> None:
-        per_shard = self.tokens.setdefault(shard, {})
-        per_shard[ordinal] = max(per_shard.get(ordinal, 0), token_end)
-
-    def update(self, other: ConsumedSet) -> None:
-        for shard, ordinals in other.samples.items():
-            self.samples.setdefault(shard, BitMap()).update(ordinals)
-        for shard, partial in other.tokens.items():
-            for ordinal, end in partial.items():
-                self.add_tokens(shard, ordinal, end)
-        # A document delivered in part at one commit and whole at a later one is whole, not also partial
-        # (only the shards ``other`` touched can have changed: merging commits one by one stays linear).
-        for touched in other.samples.keys() | other.tokens.keys():
-            kept, done = self.tokens.get(touched), self.samples.get(touched)
-            if kept and done:
-                for ordinal in [o for o in kept if o in done]:
-                    del kept[ordinal]
-                if not kept:
-                    del self.tokens[touched]
-
-    def is_consumed(self, shard: str, ordinal: int) -> bool:
-        bitmap = self.samples.get(shard)
-        return bitmap is not None and ordinal in bitmap
-
-    def tokens_consumed(self, shard: str, ordinal: int) -> int:
-        return self.tokens.get(shard, {}).get(ordinal, 0)
-
-    def count(self) -> int:
-        return sum(len(b) for b in self.samples.values())
-
-    def __bool__(self) -> bool:
-        return bool(self.samples) or bool(self.tokens)
-
-    def to_plain(self) -> dict[str, Any]:
-        tokens = {}
-        for shard, partial in self.tokens.items():
-            done = self.samples.get(shard, BitMap())
-            kept = [[o, e] for o, e in sorted(partial.items()) if o not in done]
-            if kept:
-                tokens[shard] = kept
-        for bitmap in self.samples.values():
-            bitmap.run_optimize()  # consumed ordinals come in long runs: a few bytes per run, not 2 per sample
-        return {"samples": {s: b.serialize() for s, b in self.samples.items() if b}, "tokens": tokens}
-
-    @classmethod
-    def from_plain(cls, record: dict[str, Any]) -> ConsumedSet:
-        return cls(
-            {shard: BitMap.deserialize(raw) for shard, raw in record["samples"].items()},
-            {shard: {o: e for o, e in pairs} for shard, pairs in record["tokens"].items()},
-        )
-
-
-def positions_of(batch: Any) -> list[tuple[str, int, int | None, bool]]:
-    """The positions a delivered batch holds: ``(shard, ordinal, token_end, whole)`` each.
-
-    Works for batches of LLM sequences (``__provenance__``) and batches or single samples
-    that keep ``__url__`` and ``__ordinal__`` (webdataset's dict collation does).
-    """
-    if isinstance(batch, dict) and PROVENANCE in batch:
-        return _piece_positions(_pieces(batch))
-    if isinstance(batch, dict) and "__url__" in batch and ORDINAL_FIELD in batch:
-        urls, ordinals = batch["__url__"], batch[ORDINAL_FIELD]
-        if isinstance(urls, str):
-            return [(urls, int(ordinals), None, True)]
-        return [(url, int(ordinal), None, True) for url, ordinal in zip(urls, ordinals, strict=True)]
-    raise StateMismatchError(
-        "the ledger needs the position of every delivered sample: keep '__url__' and '__ordinal__' in the "
-        "samples (for example to_tuple(..., '__url__', '__ordinal__') is not enough; batch dicts instead), "
-        "or deliver LLM sequences, which carry '__provenance__'"
-    )
-
-
-def _piece_positions(pieces: list[list[Any]]) -> list[tuple[str, int, int | None, bool]]:
-    return [(url, ordinal, end, bool(last)) for url, ordinal, _offset, _start, end, last in pieces]
-
-
-def _pieces(batch: dict[str, Any]) -> list[list[Any]]:
-    """The provenance entries of a sequence or a batch of sequences, in order."""
-    pieces = batch[PROVENANCE]
-    if pieces and isinstance(pieces[0], list) and pieces[0] and isinstance(pieces[0][0], list):
-        return [piece for sequence in pieces for piece in sequence]  # a batch of sequences
-    return list(pieces)
-
-
-class _PieceOrder:
-    """Checks that each document's pieces reach the training loop in token order.
-
-    The ledger records a partly delivered document as its delivered prefix. A shuffle after the
-    sequence stages (``WebLoader(...).unbatched().shuffle(n)``) can hand out a later piece first:
-    recording it would mark the gap consumed, and an elastic resume would lose those tokens. Such
-    a run is stopped with an explanation instead. Remembers the recent partly delivered documents
-    (a shuffle reorders within its buffer, far fewer than this).
-    """
-
-    capacity = 1 << 16
-
-    def __init__(self) -> None:
-        self.next_token: collections.OrderedDict[tuple[int, str, int], int] = collections.OrderedDict()
-
-    def check(self, pieces: list[list[Any]], epoch: int) -> None:
-        for url, ordinal, _offset, start, end, last in pieces:
-            key = (epoch, url, ordinal)  # (a document whose tail chunk() dropped starts afresh next epoch)
-            expected = self.next_token.pop(key, None)
-            # A gap loses tokens; a piece starting earlier repeats delivered ones (resampled shards read a
-            # document twice, maybe interleaved across workers) and loses none.
-            if expected is not None and start > expected:
-                raise LedgerError(
-                    "ledger",
-                    f"document {ordinal} of {url}: tokens {start}-{end} reached the training loop while the next "
-                    f"undelivered token is {expected}. Its pieces arrive out of order, as a shuffle after the "
-                    "sequence stages makes them (WebLoader(...).unbatched().shuffle(n)); the ledger keeps a "
-                    "delivered prefix per document and would lose the gap on an elastic resume. Shuffle documents "
-                    "before tokenize/packing instead, or resume such a run exactly only (without the ledger).",
-                )
-            if not last:
-                self.next_token[key] = max(end, expected or 0)
-                if len(self.next_token) > self.capacity:
-                    self.next_token.popitem(last=False)
-
-
-def default_run_id(world_size: int = 1) -> str:
-    """A run id that every rank of one job agrees on, and that no other job (array task, requeue,
-    job step, relaunch) has: ``WDSRAFT_RUN``; else what SLURM (job or array task, step, restart
-    count) and torchrun (run id, restart count) say, both where both run; else, with
-    torch.distributed initialised, a fresh id drawn by rank 0 and broadcast; else (one process)
-    a fresh id."""
-    given = os.environ.get("WDSRAFT_RUN")
-    if given:
-        return given
-    env = os.environ
-    parts = []
-    array = env.get("SLURM_ARRAY_JOB_ID")
-    slurm = f"{array}_{env.get('SLURM_ARRAY_TASK_ID', '0')}" if array else env.get("SLURM_JOB_ID")
-    if slurm:
-        step = f".{env['SLURM_STEP_ID']}" if env.get("SLURM_STEP_ID") else ""
-        parts.append(f"slurm{slurm}{step}-restart{env.get('SLURM_RESTART_COUNT', '0')}")
-    elastic = env.get("TORCHELASTIC_RUN_ID")
-    if elastic and elastic != "none":
-        parts.append(f"torchrun{elastic}-restart{env.get('TORCHELASTIC_RESTART_COUNT', '0')}")
-    if parts:
-        return "-".join(parts)
-    fresh = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{secrets.token_hex(3)}"
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        chosen = [fresh]
-        dist.broadcast_object_list(chosen, src=0)
-        return str(chosen[0])
-    if world_size > 1:
-        raise LedgerError(
-            "ledger",
-            f"{world_size} ranks need one run id they agree on: set WDSRAFT_RUN (unique per job), pass "
-            "Ledger(run=...), run under SLURM or torchrun, or initialise torch.distributed first",
-        )
-    return fresh
-
-
-class RankFile:
-    """One (run, rank) file: its commits, rewritten whole and atomically at each commit."""
-
-    def __init__(
-        self,
-        url: str,
-        run: str,
-        rank: int,
-        world_size: int,
-        parent: dict[str, int],
-        parent_steps: dict[str, int | None] | None = None,
-    ):
-        self.url = url
-        self.run = run
-        self.rank = rank
-        self.world_size = world_size
-        self.parent = parent  # the watermark the run resumed from: earlier runs -> commit (and step)
-        self.parent_steps = parent_steps or {}
-        self.commits: list[dict[str, Any]] = []
-
-    def to_bytes(self) -> bytes:
-        body = msgpack.packb(
-            {
-                "run": self.run,
-                "rank": self.rank,
-                "world_size": self.world_size,
-                "parent": self.parent,
-                "parent_steps": self.parent_steps,
-                "commits": self.commits,
-            },
-            use_bin_type=True,
-        )
-        return msgpack.packb(
-            {
-                "format": LEDGER_FORMAT,
-                "version": LEDGER_VERSION,
-                "sha256": hashlib.sha256(body).hexdigest(),
-                "body": body,
-            },
-            use_bin_type=True,
-        )
-
-    def save(self) -> None:
-        write_bytes_atomic(self.url, self.to_bytes())
-
-    @classmethod
-    def parse(cls, url: str, raw: bytes) -> RankFile:
-        try:
-            outer = msgpack.unpackb(raw, raw=False)
-        except Exception as exn:
-            raise LedgerError(url, f"unreadable ledger file (torn or not msgpack: {exn})") from None
-        if not isinstance(outer, dict) or outer.get("format") != LEDGER_FORMAT:
-            raise LedgerError(url, "not a wdsraft ledger file")
-        if outer.get("version") != LEDGER_VERSION:
-            raise LedgerError(url, f"unsupported ledger version {outer.get('version')!r}")
-        body = outer.get("body", b"")
-        if hashlib.sha256(body).hexdigest() != outer.get("sha256"):
-            raise LedgerError(url, "checksum mismatch: the file is torn or corrupt")
-        record = msgpack.unpackb(body, raw=False, strict_map_key=False)
-        loaded = cls(
-            url, record["run"], record["rank"], record["world_size"], record["parent"], record.get("parent_steps")
-        )
-        loaded.commits = record["commits"]
-        return loaded
 
 
 class Ledger:
@@ -316,7 +69,7 @@ class Ledger:
         self.commit_number = 0
         self.pending: dict[int, ConsumedSet] = {}  # epoch -> delivered since the last commit
         self._file: RankFile | None = None
-        self._order = _PieceOrder()
+        self._order = PieceOrder()
         #: For a run that resumed elastically: the epoch and lineage whose consumed set it skips.
         self.skip: dict[str, Any] | None = None
 
@@ -501,20 +254,6 @@ class Ledger:
                 f"run id {self.run!r} already has a ledger for rank {self.rank}: every launch needs its own "
                 "(set WDSRAFT_RUN, or pass Ledger(run=...), for relaunches inside one job)",
             )
-
-
-def counted(
-    commit: dict[str, Any], run: str, lineage: dict[str, int], steps: dict[str, int | None] | None = None
-) -> bool:
-    """Whether a commit of some rank of ``run`` is within a watermark. Each rank numbers its own
-    commits, and ranks need not commit equally often (one may commit twice at a step, another not
-    at all): where the watermark has the step of the run's last commit, commits count by step."""
-    if run not in lineage:
-        return False
-    step = (steps or {}).get(run)
-    if step is not None and commit.get("step") is not None:
-        return bool(commit["step"] <= step)
-    return bool(commit["commit"] <= lineage[run])
 
 
 def _epoch_of(loader: Any) -> int:

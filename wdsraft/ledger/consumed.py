@@ -1,0 +1,149 @@
+"""What training consumed: a set of (shard, ordinal) positions per epoch as roaring bitmaps, plus the
+tokens delivered of documents cut across checkpoints, and the positions a delivered batch carries.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pyroaring import BitMap
+
+from wdsraft.core.errors import LedgerError, StateMismatchError
+from wdsraft.core.fields import ORDINAL_FIELD
+from wdsraft.llm.sequences import PROVENANCE
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ConsumedSet:
+    """What one epoch consumed: whole samples per shard, and documents delivered in part (tokens)."""
+
+    samples: dict[str, BitMap] = field(default_factory=dict)
+    tokens: dict[str, dict[int, int]] = field(default_factory=dict)  # shard -> ordinal -> tokens delivered
+
+    def add_samples(self, shard: str, ordinals: Iterable[int]) -> None:
+        self.samples.setdefault(shard, BitMap()).update(ordinals)
+
+    def add_tokens(self, shard: str, ordinal: int, token_end: int) -> None:
+        per_shard = self.tokens.setdefault(shard, {})
+        per_shard[ordinal] = max(per_shard.get(ordinal, 0), token_end)
+
+    def update(self, other: ConsumedSet) -> None:
+        for shard, ordinals in other.samples.items():
+            self.samples.setdefault(shard, BitMap()).update(ordinals)
+        for shard, partial in other.tokens.items():
+            for ordinal, end in partial.items():
+                self.add_tokens(shard, ordinal, end)
+        # A document delivered in part at one commit and whole at a later one is whole, not also partial
+        # (only the shards ``other`` touched can have changed: merging commits one by one stays linear).
+        for touched in other.samples.keys() | other.tokens.keys():
+            kept, done = self.tokens.get(touched), self.samples.get(touched)
+            if kept and done:
+                for ordinal in [o for o in kept if o in done]:
+                    del kept[ordinal]
+                if not kept:
+                    del self.tokens[touched]
+
+    def is_consumed(self, shard: str, ordinal: int) -> bool:
+        bitmap = self.samples.get(shard)
+        return bitmap is not None and ordinal in bitmap
+
+    def tokens_consumed(self, shard: str, ordinal: int) -> int:
+        return self.tokens.get(shard, {}).get(ordinal, 0)
+
+    def count(self) -> int:
+        return sum(len(b) for b in self.samples.values())
+
+    def __bool__(self) -> bool:
+        return bool(self.samples) or bool(self.tokens)
+
+    def to_plain(self) -> dict[str, Any]:
+        tokens = {}
+        for shard, partial in self.tokens.items():
+            done = self.samples.get(shard, BitMap())
+            kept = [[o, e] for o, e in sorted(partial.items()) if o not in done]
+            if kept:
+                tokens[shard] = kept
+        for bitmap in self.samples.values():
+            bitmap.run_optimize()  # consumed ordinals come in long runs: a few bytes per run, not 2 per sample
+        return {"samples": {s: b.serialize() for s, b in self.samples.items() if b}, "tokens": tokens}
+
+    @classmethod
+    def from_plain(cls, record: dict[str, Any]) -> ConsumedSet:
+        return cls(
+            {shard: BitMap.deserialize(raw) for shard, raw in record["samples"].items()},
+            {shard: {o: e for o, e in pairs} for shard, pairs in record["tokens"].items()},
+        )
+
+
+def positions_of(batch: Any) -> list[tuple[str, int, int | None, bool]]:
+    """The positions a delivered batch holds: ``(shard, ordinal, token_end, whole)`` each.
+
+    Works for batches of LLM sequences (``__provenance__``) and batches or single samples
+    that keep ``__url__`` and ``__ordinal__`` (webdataset's dict collation does).
+    """
+    if isinstance(batch, dict) and PROVENANCE in batch:
+        return _piece_positions(_pieces(batch))
+    if isinstance(batch, dict) and "__url__" in batch and ORDINAL_FIELD in batch:
+        urls, ordinals = batch["__url__"], batch[ORDINAL_FIELD]
+        if isinstance(urls, str):
+            return [(urls, int(ordinals), None, True)]
+        return [(url, int(ordinal), None, True) for url, ordinal in zip(urls, ordinals, strict=True)]
+    raise StateMismatchError(
+        "the ledger needs the position of every delivered sample: keep '__url__' and '__ordinal__' in the "
+        "samples (for example to_tuple(..., '__url__', '__ordinal__') is not enough; batch dicts instead), "
+        "or deliver LLM sequences, which carry '__provenance__'"
+    )
+
+
+def _piece_positions(pieces: list[list[Any]]) -> list[tuple[str, int, int | None, bool]]:
+    return [(url, ordinal, end, bool(last)) for url, ordinal, _offset, _start, end, last in pieces]
+
+
+def _pieces(batch: dict[str, Any]) -> list[list[Any]]:
+    """The provenance entries of a sequence or a batch of sequences, in order."""
+    pieces = batch[PROVENANCE]
+    if pieces and isinstance(pieces[0], list) and pieces[0] and isinstance(pieces[0][0], list):
+        return [piece for sequence in pieces for piece in sequence]  # a batch of sequences
+    return list(pieces)
+
+
+class PieceOrder:
+    """Checks that each document's pieces reach the training loop in token order.
+
+    The ledger records a partly delivered document as its delivered prefix. A shuffle after the
+    sequence stages (``WebLoader(...).unbatched().shuffle(n)``) can hand out a later piece first:
+    recording it would mark the gap consumed, and an elastic resume would lose those tokens. Such
+    a run is stopped with an explanation instead. Remembers the recent partly delivered documents
+    (a shuffle reorders within its buffer, far fewer than this).
+    """
+
+    capacity = 1 << 16
+
+    def __init__(self) -> None:
+        self.next_token: collections.OrderedDict[tuple[int, str, int], int] = collections.OrderedDict()
+
+    def check(self, pieces: list[list[Any]], epoch: int) -> None:
+        for url, ordinal, _offset, start, end, last in pieces:
+            key = (epoch, url, ordinal)  # (a document whose tail chunk() dropped starts afresh next epoch)
+            expected = self.next_token.pop(key, None)
+            # A gap loses tokens; a piece starting earlier repeats delivered ones (resampled shards read a
+            # document twice, maybe interleaved across workers) and loses none.
+            if expected is not None and start > expected:
+                raise LedgerError(
+                    "ledger",
+                    f"document {ordinal} of {url}: tokens {start}-{end} reached the training loop while the next "
+                    f"undelivered token is {expected}. Its pieces arrive out of order, as a shuffle after the "
+                    "sequence stages makes them (WebLoader(...).unbatched().shuffle(n)); the ledger keeps a "
+                    "delivered prefix per document and would lose the gap on an elastic resume. Shuffle documents "
+                    "before tokenize/packing instead, or resume such a run exactly only (without the ledger).",
+                )
+            if not last:
+                self.next_token[key] = max(end, expected or 0)
+                if len(self.next_token) > self.capacity:
+                    self.next_token.popitem(last=False)
