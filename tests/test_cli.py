@@ -262,7 +262,11 @@ def test_keyboard_interrupt_exits_130_quietly(monkeypatch, capsys) -> None:
         raise KeyboardInterrupt
 
     monkeypatch.setattr(cli, "cmd_ls", interrupted)
-    assert cli.main(["ls", "x"]) == 130
+    try:
+        status = cli.main(["ls", "x"])
+    except KeyboardInterrupt:  # (not let through: it would end the test session)
+        pytest.fail("the KeyboardInterrupt escaped main()")
+    assert status == 130
     assert capsys.readouterr().err == ""
 
 
