@@ -67,6 +67,8 @@ def files(tmp_path: Path, corpus_records) -> dict[str, str]:
     bad_checkpoint.write_bytes(b"\xff\xfe not json")
     no_watermark = tmp_path / "no-watermark.json"
     no_watermark.write_text(json.dumps({"step": 1, "model": {}}))
+    bad_watermark = tmp_path / "bad-watermark.json"
+    bad_watermark.write_text(json.dumps({"step": 1, "data": {"ledger": "l", "lineage": 5}}))
     rank_file = next((tmp_path / "ledger").glob("run-*/*.ledger"))
     return {
         "tmp": str(tmp_path),
@@ -80,6 +82,7 @@ def files(tmp_path: Path, corpus_records) -> dict[str, str]:
         "manifest": str(manifest),
         "bad_checkpoint": str(bad_checkpoint),
         "no_watermark": str(no_watermark),
+        "bad_watermark": str(bad_watermark),
         "rank_file": str(rank_file),
     }
 
@@ -191,6 +194,11 @@ USER_ERRORS: list[tuple[str, Callable[[dict[str, str]], list[str]], str]] = [
         "checkpoint without a watermark",
         lambda f: ["ledger", "show", f["ledger"], "--checkpoint", f["no_watermark"]],
         "no ledger watermark in this checkpoint",
+    ),
+    (
+        "malformed watermark",
+        lambda f: ["ledger", "show", f["ledger"], "--checkpoint", f["bad_watermark"]],
+        "watermark in this checkpoint is malformed",
     ),
 ]
 

@@ -182,6 +182,11 @@ def _watermark_from_checkpoint(path: str) -> dict[str, Any]:
     found = _find_watermark(record)
     if found is None:
         raise LedgerError(path, "no ledger watermark in this checkpoint")
+    lineage, steps = found["lineage"], found.get("steps")
+    if not (isinstance(lineage, dict) and all(isinstance(c, int) for c in lineage.values())) or not isinstance(
+        steps, (dict, type(None))
+    ):
+        raise LedgerError(path, "the ledger watermark in this checkpoint is malformed (lineage: run -> commit)")
     return found
 
 
