@@ -1,7 +1,7 @@
 """A training loop that survives preemptions and configuration changes, with the ledger.
 
     RANK=0 WORLD_SIZE=2 python examples/train_ledger.py --shards 'data/*.tar' --workdir run42
-    (or under SLURM: srun python examples/train_ledger.py ...; see scripts/train_array.sbatch)
+    (or under SLURM: srun python examples/train_ledger.py ...; see examples/train_array.sbatch)
 
 Each rank iterates its share of the shards through a ``WebLoader``; every
 ``--checkpoint-every`` steps every rank commits the ledger and writes its checkpoint
@@ -56,6 +56,8 @@ def main() -> None:
 
     rank, world_size = wds.distributed.rank_and_world_size()
     urls = sorted(glob.glob(args.shards))
+    if not urls:
+        parser.error(f"no shards match {args.shards}")
     dataset = (
         wds.WebDataset(urls, shardshuffle=100, seed=args.seed, nodesplitter=wds.split_by_node)
         .shuffle(20, seed=args.seed)

@@ -3,19 +3,26 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import logging
 import os
 import posixpath
+import signal
 import sys
-from collections.abc import Sequence
+import tarfile
+import threading
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from types import FrameType
+from typing import NoReturn
 from urllib.parse import urlparse
 
 import braceexpand
 from tqdm import tqdm
 
-from wdsraft.core.errors import IndexFormatError, TarFormatError
+from wdsraft import __version__
+from wdsraft.core.errors import IndexFormatError, LedgerError, StateMismatchError, TarFormatError
 from wdsraft.index.manifest import MANIFEST_NAME, manifest_for
 from wdsraft.index.shard_index import ShardIndex
 from wdsraft.io.s3 import s3_client
@@ -70,22 +77,26 @@ def _common_directory(urls: Sequence[str]) -> str | None:
 def cmd_index(args: argparse.Namespace) -> int:
     urls = expand_urls(args.urls)
     if not urls:
-        logger.error("no shards match %s", " ".join(args.urls))
-        return 2
+        raise ValueError(f"no shards match {' '.join(args.urls)}")
     results: dict[str, ShardIndex] = {}
     failures: list[str] = []
-    with ProcessPoolExecutor(max_workers=max(1, min(args.workers, len(urls)))) as pool:
+    workers = max(1, min(args.workers, len(urls)))
+    with ProcessPoolExecutor(max_workers=workers, initializer=_ignore_interrupts) as pool:
         futures = {pool.submit(_index_one, url, not args.no_checksum, not args.dry_run): url for url in urls}
         progress = tqdm(as_completed(futures), total=len(futures), unit="shard", desc="indexing", disable=args.quiet)
-        for future in progress:
-            url = futures[future]
-            try:
-                _, index = future.result()
-            except (TarFormatError, IndexFormatError, OSError, ValueError) as exn:
-                failures.append(f"{url}: {exn}")
-                logger.error("%s", exn)
-                continue
-            results[url] = index
+        try:
+            for future in progress:
+                url = futures[future]
+                try:
+                    _, index = future.result()
+                except (TarFormatError, IndexFormatError, OSError, ValueError) as exn:
+                    failures.append(f"{url}: {exn}")
+                    logger.error("%s", exn)
+                    continue
+                results[url] = index
+        except KeyboardInterrupt:  # the shards being indexed finish (their indexes stay valid), the rest are not begun
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
     samples = sum(index.num_samples for index in results.values())
     print(f"indexed {len(results)} of {len(urls)} shards, {samples} samples")
     if results and args.manifest != "none" and not args.dry_run:
@@ -102,11 +113,19 @@ def cmd_index(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
+def _ignore_interrupts() -> None:
+    """In worker processes: Ctrl-C interrupts the command once, in the main process (no worker tracebacks)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     offset, ordinal = 0, 0
     if args.ordinal:
         index = ShardIndex.load(args.url)
-        offset, ordinal = index.offset_of(args.ordinal), args.ordinal
+        try:
+            offset, ordinal = index.offset_of(args.ordinal), args.ordinal
+        except IndexError as exn:  # (an ordinal past the end is the user's, not a bug)
+            raise ValueError(str(exn)) from None
     reader = ShardSampleReader(args.url, offset=offset, ordinal=ordinal)
     print("ordinal\toffset\tkey\tfields")
     for count, sample in enumerate(reader):
@@ -127,7 +146,7 @@ def _size(text: str) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from wdsraft.convert import ConvertError, ConvertOptions, convert, slurm_array_task
+    from wdsraft.convert import ConvertOptions, convert, slurm_array_task
 
     task_index, task_count = args.task_index, args.task_count
     array_task = slurm_array_task()
@@ -157,11 +176,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         wait_timeout=args.wait_timeout,
         progress=not args.quiet,
     )
-    try:
-        report = convert(options)
-    except ConvertError as exn:
-        print(f"wdsraft convert: error: {exn}", file=sys.stderr)
-        return 1
+    report = convert(options)  # (a ConvertError reaches main(), which prints it)
     print(report.summary())
     return 0
 
@@ -203,16 +218,44 @@ examples:
 """
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line: what is wrong, and where the help is."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` explains)\n")
+
+
+def _global_options(parser: argparse.ArgumentParser, in_command: bool) -> None:
+    """The options every command takes, before or after its name.
+
+    A command's parser gets them with SUPPRESS defaults, so that an option given before the
+    command name is not reset by the command's parser when it is not repeated after it.
+    """
+    group = parser.add_argument_group("global options")
+    default = argparse.SUPPRESS if in_command else False
+    group.add_argument("-v", "--verbose", action="store_true", default=default, help="log progress details")
+    group.add_argument("-q", "--quiet", action="store_true", default=default, help="no progress bars")
+    group.add_argument(
+        "--debug", action="store_true", default=default, help="on an error, show the traceback, not only its message"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="wdsraft",
         description="WebDataset-compatible tar shards with sample positions, indexes and exact resume.",
+        epilog="`wdsraft COMMAND --help` explains a command. Global options go before or after the command.",
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    _global_options(parser, in_command=False)
+    common = _Parser(add_help=False)
+    _global_options(common, in_command=True)
+    parents = [common]
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     index = commands.add_parser(
         "index",
+        parents=parents,
         help="build the index (.idx) of shards written by someone else, and a manifest",
         description=(
             "Read each shard once and write SHARD.idx beside it (sample count, byte offset of every sample, "
@@ -232,11 +275,11 @@ def build_parser() -> argparse.ArgumentParser:
     index.add_argument("--name", default="dataset", help="dataset name recorded in the manifest")
     index.add_argument("--no-checksum", action="store_true", help="skip the sha256 of each shard")
     index.add_argument("--dry-run", action="store_true", help="read and report, write nothing")
-    index.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     index.set_defaults(func=cmd_index)
 
     ls = commands.add_parser(
         "ls",
+        parents=parents,
         help="list the samples of a shard with their positions",
         description="Print ordinal, byte offset, key and field sizes of each sample of a shard.",
     )
@@ -249,6 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     conv = commands.add_parser(
         "convert",
+        parents=parents,
         help="convert JSONL (local or s3, plain/.gz/.zst) into globally shuffled shards",
         description=CONVERT_DESCRIPTION,
         epilog=CONVERT_EPILOG,
@@ -321,22 +365,84 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument(
         "--wait-timeout", type=float, help="seconds to wait for other tasks' scatter phase (default: no limit)"
     )
-    conv.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     conv.set_defaults(func=cmd_convert)
-    add_ledger_commands(commands)
+    add_ledger_commands(commands, parents)
     return parser
 
 
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """The errors that are the user's (bad input, missing or unreadable files): one line, no traceback."""
+    from wdsraft.convert import ConvertError
+
+    return (
+        ConvertError,
+        LedgerError,
+        IndexFormatError,
+        StateMismatchError,
+        TarFormatError,
+        tarfile.TarError,
+        OSError,
+        ValueError,
+    )
+
+
+def _one_line(exn: BaseException) -> str:
+    if isinstance(exn, OSError) and exn.filename is not None and exn.strerror:
+        return f"{exn.filename}: {exn.strerror}"  # (not "[Errno 2] No such file or directory: 'x'")
+    return " ".join(str(exn).split()) or type(exn).__name__
+
+
+@contextlib.contextmanager
+def _interrupts() -> Iterator[list[bool]]:
+    """Ctrl-C while a command runs: a KeyboardInterrupt in this process, noted in the list yielded.
+
+    The command's worker processes (forked: they inherit the handler) end quietly instead of
+    printing a KeyboardInterrupt traceback each; the conversion they were doing resumes on a
+    rerun, as after any kill. The main process may then see a broken pool before the
+    KeyboardInterrupt: the note tells main() that the error came from the interrupt.
+    """
+    seen = [False]
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) in (
+        signal.SIG_IGN,
+        None,
+    ):
+        yield seen  # (signals can only be handled in the main thread; an ignored SIGINT stays ignored)
+        return
+    pid = os.getpid()
+
+    def interrupted(signum: int, frame: FrameType | None) -> None:
+        if os.getpid() != pid:
+            os._exit(128 + signum)
+        seen[0] = True
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, interrupted)
+    try:
+        yield seen
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one ``wdsraft`` command; returns the exit status. Errors are one line on stderr (--debug: the traceback)."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    interrupted = [False]
     try:
-        return int(args.func(args))
-    except (TarFormatError, IndexFormatError, FileNotFoundError) as exn:
-        print(f"wdsraft: error: {exn}", file=sys.stderr)
-        return 1
-    except BrokenPipeError:  # `wdsraft ls ... | head`
+        with _interrupts() as interrupted:
+            return int(args.func(args))
+    except BrokenPipeError:  # `wdsraft ls ... | head`: the reader is gone, so is whatever is still buffered
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except BaseException as exn:
+        if args.debug:
+            raise
+        if isinstance(exn, KeyboardInterrupt) or interrupted[0]:
+            return 130  # (128 + SIGINT, as a shell reports it)
+        if not isinstance(exn, _user_errors()):
+            raise  # (a bug: its traceback is wanted)
+        print(f"wdsraft: error: {_one_line(exn)}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

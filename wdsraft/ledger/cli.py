@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import Any
 
 from wdsraft.core.errors import IndexFormatError, LedgerError
@@ -15,13 +16,15 @@ from wdsraft.index.shard_index import ShardIndex
 from wdsraft.io.storage import local_path, remove
 from wdsraft.ledger.consumed import ConsumedSet
 from wdsraft.ledger.ledger import Ledger
-from wdsraft.ledger.rank_file import RankFile, counted
+from wdsraft.ledger.rank_file import SUFFIX, RankFile, counted
 
 
-def add_ledger_commands(commands: Any) -> None:
-    """Register the ``ledger`` command and its subcommands on an argparse subparsers object."""
+def add_ledger_commands(commands: Any, parents: Sequence[argparse.ArgumentParser] = ()) -> None:
+    """Register the ``ledger`` command and its subcommands on an argparse subparsers object
+    (``parents``: parsers of options every command takes, given to each)."""
     ledger = commands.add_parser(
         "ledger",
+        parents=parents,
         help="inspect and maintain a ledger of consumed samples",
         description=(
             "A ledger records, per epoch, the samples a training consumed, across SLURM runs. The commands "
@@ -42,23 +45,57 @@ def add_ledger_commands(commands: Any) -> None:
             "commits up to that commit number",
         )
 
-    show = actions.add_parser("show", help="consumed counts and fractions per epoch and shard; runs and ranks")
+    show = actions.add_parser(
+        "show",
+        parents=parents,
+        help="consumed counts and fractions per epoch and shard; runs and ranks",
+        description=(
+            "Print the runs and ranks that wrote the ledger (which of them count under the watermark and which "
+            "lie outside it, each run's last step and the watermark it resumed from), then per epoch how many "
+            "samples were consumed: with --manifest also the fraction and what remains, with --shards per shard."
+        ),
+    )
     common(show)
     show.add_argument("--manifest", help="the dataset manifest, for fractions and what remains")
     show.add_argument("--shards", action="store_true", help="one line per shard")
     show.set_defaults(func=cmd_show)
 
-    merge = actions.add_parser("merge", help="write the merged consumed sets as a new one-file ledger")
+    merge = actions.add_parser(
+        "merge",
+        parents=parents,
+        help="write the merged consumed sets as a new one-file ledger",
+        description=(
+            "Merge what every commit under the watermark consumed, per epoch, into a new ledger of one run and "
+            "one rank file at --output, and print its watermark (JSON). The ledger read is left as it is."
+        ),
+    )
     common(merge)
     merge.add_argument("--output", required=True, help="directory of the merged ledger (must not exist)")
     merge.set_defaults(func=cmd_merge)
 
-    rewind = actions.add_parser("rewind", help="drop the commits after a watermark (after a rewind to a checkpoint)")
+    rewind = actions.add_parser(
+        "rewind",
+        parents=parents,
+        help="drop the commits after a watermark (after a rewind to a checkpoint)",
+        description=(
+            "Rewrite each rank file of the runs in the watermark without the commits after it (for a training "
+            "rewound to an older checkpoint). Files of runs outside the watermark are kept, or deleted with "
+            "--prune."
+        ),
+    )
     common(rewind)
     rewind.add_argument("--prune", action="store_true", help="also delete the files of runs outside the lineage")
     rewind.set_defaults(func=cmd_rewind)
 
-    export = actions.add_parser("export", help="print the consumed positions as JSON (ordinal ranges per shard)")
+    export = actions.add_parser(
+        "export",
+        parents=parents,
+        help="print the consumed positions as JSON (ordinal ranges per shard)",
+        description=(
+            "Print the watermark and, per epoch and shard, the consumed sample ordinals as half-open [start, end) "
+            'ranges, and the documents delivered in part as {"ordinal": tokens delivered}, as JSON.'
+        ),
+    )
     common(export)
     export.set_defaults(func=cmd_export)
 
@@ -88,8 +125,24 @@ def _lineage_argument(text: str) -> Watermark:
 
 def _rank_files(args: argparse.Namespace) -> tuple[list[RankFile], Watermark]:
     """The ledger's rank files and the watermark the command works on (given, from a checkpoint, or the latest)."""
+    _check_ledger_path(args.path)
     files = list(_reader(args.path).rank_files())
     return files, _watermark(args, files)
+
+
+def _check_ledger_path(url: str) -> None:
+    """A local ledger is a directory that is there (a file or a typo would read as an empty ledger)."""
+    path = local_path(url)
+    if path is None:
+        return
+    if os.path.isfile(path):
+        raise LedgerError(
+            url,
+            "a file, not a ledger directory: give the directory that holds the run-*/ folders of rank files "
+            "(a checkpoint goes with --checkpoint)",
+        )
+    if not os.path.isdir(path):
+        raise LedgerError(url, "no such ledger directory")
 
 
 def _reader(url: str) -> Ledger:
@@ -111,17 +164,40 @@ def _watermark(args: argparse.Namespace, files: list[RankFile]) -> Watermark:
 
 
 def _watermark_from_checkpoint(path: str) -> dict[str, Any]:
+    if path.endswith(SUFFIX):
+        raise LedgerError(path, "a ledger rank file, not a checkpoint: give the ledger's directory as PATH")
     if path.endswith(".json"):
-        with open(path) as stream:
-            record = json.load(stream)
+        with open(path, "rb") as stream:
+            raw = stream.read()
+        try:
+            record = json.loads(raw.decode("utf-8"))
+        except ValueError as exn:  # (not UTF-8, not JSON)
+            raise LedgerError(path, f"not a JSON checkpoint ({exn})") from None
     else:
         import torch
 
-        record = torch.load(path, weights_only=True, map_location="cpu")
+        try:
+            record = torch.load(path, weights_only=True, map_location="cpu")
+        except OSError:  # (a missing or unreadable file says so itself)
+            raise
+        except Exception as exn:  # (torch raises several kinds, with messages of many lines)
+            raise LedgerError(path, f"not a checkpoint torch.load can read ({_torch_reason(exn)})") from None
     found = _find_watermark(record)
     if found is None:
         raise LedgerError(path, "no ledger watermark in this checkpoint")
+    lineage, steps = found["lineage"], found.get("steps")
+    if not (isinstance(lineage, dict) and all(isinstance(c, int) for c in lineage.values())) or not isinstance(
+        steps, (dict, type(None))
+    ):
+        raise LedgerError(path, "the ledger watermark in this checkpoint is malformed (lineage: run -> commit)")
     return found
+
+
+def _torch_reason(exn: Exception) -> str:
+    """The line of a ``torch.load`` error that says what is wrong (its first lines are generic advice)."""
+    text = str(exn).rpartition("WeightsUnpickler error:")[2]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return f"{type(exn).__name__}: {lines[0]}" if lines else type(exn).__name__
 
 
 def _find_watermark(record: Any) -> dict[str, Any] | None:
@@ -147,7 +223,11 @@ def _epochs(files: list[RankFile], watermark: Watermark) -> dict[int, ConsumedSe
 
 def _sizes(manifest_url: str | None, shards: list[str]) -> dict[str, int]:
     if manifest_url:
-        manifest = Manifest.load(manifest_url)
+        try:
+            manifest = Manifest.load(manifest_url)
+        except UnicodeDecodeError as exn:  # (the decoder's message does not name the file)
+            reason = f"not a manifest: not UTF-8 text ({exn.reason} at byte {exn.start})"
+            raise IndexFormatError(manifest_url, reason) from None
         return dict(zip(manifest.urls(manifest_url), (e.num_samples for e in manifest.shards), strict=True))
     sizes = {}
     for shard in shards:

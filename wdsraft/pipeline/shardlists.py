@@ -93,6 +93,8 @@ class SimpleShardList(UrlList, IterableDataset, Stage):
     def __init__(self, urls: Any, seed: Any = None):
         super().__init__()
         self.urls = expand_urls(urls) if isinstance(urls, str) else list(urls)
+        if not self.urls:
+            raise ValueError(f"no shards match {urls!r}")
         assert isinstance(self.urls[0], str)
         self.seed = time.time() if seed is True else seed
 
