@@ -12,6 +12,10 @@ from typing import Any, NamedTuple
 
 ORDINAL_FIELD = "__ordinal__"
 OFFSET_FIELD = "__offset__"
+# Set by the reader on a document a ledger says was delivered in part: the first token still owed.
+TOKEN_START_FIELD = "__token_start__"
+# A sequence's list of document pieces (address and token span each), carried to the batch.
+PROVENANCE_FIELD = "__provenance__"
 
 
 class Position(NamedTuple):

@@ -13,8 +13,7 @@ from typing import Any
 from pyroaring import BitMap
 
 from wdsraft.core.errors import LedgerError, StateMismatchError
-from wdsraft.core.fields import ORDINAL_FIELD
-from wdsraft.llm.sequences import PROVENANCE
+from wdsraft.core.fields import ORDINAL_FIELD, PROVENANCE_FIELD
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +86,7 @@ def positions_of(batch: Any) -> list[tuple[str, int, int | None, bool]]:
     Works for batches of LLM sequences (``__provenance__``) and batches or single samples
     that keep ``__url__`` and ``__ordinal__`` (webdataset's dict collation does).
     """
-    if isinstance(batch, dict) and PROVENANCE in batch:
+    if isinstance(batch, dict) and PROVENANCE_FIELD in batch:
         return _piece_positions(_pieces(batch))
     if isinstance(batch, dict) and "__url__" in batch and ORDINAL_FIELD in batch:
         urls, ordinals = batch["__url__"], batch[ORDINAL_FIELD]
@@ -107,7 +106,7 @@ def _piece_positions(pieces: list[list[Any]]) -> list[tuple[str, int, int | None
 
 def _pieces(batch: dict[str, Any]) -> list[list[Any]]:
     """The provenance entries of a sequence or a batch of sequences, in order."""
-    pieces = batch[PROVENANCE]
+    pieces = batch[PROVENANCE_FIELD]
     if pieces and isinstance(pieces[0], list) and pieces[0] and isinstance(pieces[0][0], list):
         return [piece for sequence in pieces for piece in sequence]  # a batch of sequences
     return list(pieces)

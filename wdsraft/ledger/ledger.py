@@ -30,12 +30,12 @@ from typing import Any
 
 from wdsraft.core.distributed import rank_and_world_size
 from wdsraft.core.errors import LedgerError
+from wdsraft.core.fields import PROVENANCE_FIELD
 from wdsraft.io.gopen import gopen
 from wdsraft.io.s3 import s3_client
 from wdsraft.io.storage import exists, local_path
 from wdsraft.ledger.consumed import ConsumedSet, PieceOrder, _piece_positions, _pieces, positions_of
 from wdsraft.ledger.rank_file import SUFFIX, RankFile, counted, default_run_id
-from wdsraft.llm.sequences import PROVENANCE
 from wdsraft.pipeline.datapipeline import state_epoch
 from wdsraft.pipeline.shardlists import UrlList
 
@@ -77,7 +77,7 @@ class Ledger:
 
     def record(self, batch: Any, epoch: int) -> None:
         """Note what a batch delivered to the training loop holds (consumed once committed)."""
-        if isinstance(batch, dict) and PROVENANCE in batch:  # LLM sequences: pieces of documents
+        if isinstance(batch, dict) and PROVENANCE_FIELD in batch:  # LLM sequences: pieces of documents
             pieces = _pieces(batch)
             self._order.check(pieces, epoch)
             positions = _piece_positions(pieces)

@@ -16,7 +16,7 @@ from wdsraft.llm.collate import (
 )
 from wdsraft.llm.hf_from_tiktoken import hf_from_tiktoken
 from wdsraft.llm.pack import PackBestFit, pack_bestfit
-from wdsraft.llm.sequences import IGNORE_INDEX, PROVENANCE, SEQUENCE_TENSORS, TOKEN_START, TOKENS, Piece, build_sequence
+from wdsraft.llm.sequences import IGNORE_INDEX, SEQUENCE_TENSORS, TOKENS, Piece, build_sequence
 from wdsraft.llm.tokenize_stage import QUEUED_BATCHES, TextField, Tokenize, text_getter, tokenize
 from wdsraft.llm.tokenizers import (
     HFTokenizer,
@@ -36,11 +36,9 @@ from wdsraft.llm.transport import (
 
 __all__ = [
     "IGNORE_INDEX",
-    "PROVENANCE",
     "QUEUED_BATCHES",
     "SEQUENCE_TENSORS",
     "TOKENS",
-    "TOKEN_START",
     "Chunk",
     "CompactSequenceBatch",
     "ConcatChunk",

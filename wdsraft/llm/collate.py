@@ -10,9 +10,10 @@ from typing import Any
 
 import torch
 
+from wdsraft.core.fields import PROVENANCE_FIELD
 from wdsraft.llm.chunking import Chunk, ConcatChunk, pad
 from wdsraft.llm.pack import PackBestFit
-from wdsraft.llm.sequences import PROVENANCE, SEQUENCE_TENSORS, TOKENS
+from wdsraft.llm.sequences import SEQUENCE_TENSORS, TOKENS
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +25,7 @@ def builds_sequences(stage: Any) -> bool:
 
 
 def is_sequence(item: Any) -> bool:
-    return isinstance(item, dict) and PROVENANCE in item and "cu_seqlens" in item
+    return isinstance(item, dict) and PROVENANCE_FIELD in item and "cu_seqlens" in item
 
 
 def is_sequence_batch(batch: Any) -> bool:
@@ -43,7 +44,7 @@ def split_sequence_batch(batch: dict[str, Any]) -> list[dict[str, Any]]:
     for row in range(rows):
         # A row holds one segment per document piece (its provenance says how many; pieces may be empty,
         # so values alone cannot tell rows apart), then a padding segment if the pieces end short of it.
-        pieces = len(batch[PROVENANCE][row])
+        pieces = len(batch[PROVENANCE_FIELD][row])
         row_bounds = [0, *(bound - row * length for bound in bounds[cursor : cursor + pieces])]
         cursor += pieces + (row_bounds[-1] < length)
         sequence = {key: value[row] for key, value in per_row.items()}
@@ -73,5 +74,5 @@ def collate_sequences(sequences: list[dict[str, Any]]) -> dict[str, Any]:
             boundaries.append((row + 1) * length)
     batch["cu_seqlens"] = torch.tensor(boundaries, dtype=torch.int32)
     batch["max_seqlen"] = max((b - a for a, b in itertools.pairwise(boundaries)), default=0)
-    batch[PROVENANCE] = [s[PROVENANCE] for s in sequences]
+    batch[PROVENANCE_FIELD] = [s[PROVENANCE_FIELD] for s in sequences]
     return batch

@@ -9,6 +9,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
+from wdsraft.core.fields import OFFSET_FIELD, ORDINAL_FIELD
 from wdsraft.llm.sequences import Piece, _document_position, _remaining, _SequenceStage
 from wdsraft.pipeline.addresses import Address
 from wdsraft.pipeline.stage import AddressTracker, Context
@@ -17,8 +18,8 @@ logger = logging.getLogger(__name__)
 
 
 def _item_address(item: dict[str, Any]) -> Address | None:
-    if "__url__" in item and "__ordinal__" in item:
-        return (item["__url__"], item["__ordinal__"], item.get("__offset__"), 0)  # (a map may have dropped it)
+    if "__url__" in item and ORDINAL_FIELD in item:
+        return (item["__url__"], item[ORDINAL_FIELD], item.get(OFFSET_FIELD), 0)  # (a map may have dropped it)
     return None
 
 

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from wdsraft.core.errors import StateMismatchError
+from wdsraft.core.fields import OFFSET_FIELD, ORDINAL_FIELD, PROVENANCE_FIELD, TOKEN_START_FIELD
 from wdsraft.llm.tokenizers import _ThreadedAdapter
 from wdsraft.pipeline.addresses import Address, pack_addresses, unpack_addresses
 from wdsraft.pipeline.stage import Context, Stage
@@ -25,12 +26,6 @@ TOKENS = "input_ids"
 
 
 SEQUENCE_TENSORS = (TOKENS, "labels", "attention_mask", "position_ids")  # the tensor fields of a sequence
-
-
-TOKEN_START = "__token_start__"  # set by the reader for documents a ledger says were delivered in part
-
-
-PROVENANCE = "__provenance__"
 
 
 IGNORE_INDEX = -100
@@ -52,7 +47,7 @@ def _remaining(item: dict[str, Any]) -> tuple[np.ndarray, int]:
     A document that a ledger says was delivered in part before an elastic resume goes on
     where it stopped; token ranges always count in the whole document (BOS/EOS included).
     """
-    start = item.get(TOKEN_START, 0)
+    start = item.get(TOKEN_START_FIELD, 0)
     tokens = _token_array(item[TOKENS])
     return (tokens[start:], start) if start else (tokens, 0)
 
@@ -69,9 +64,9 @@ def _position(address: Address | None) -> list[Any]:
 def _document_position(item: Any, address: Address | None) -> list[Any]:
     """``[shard, ordinal, offset]`` of a document, for provenance: its own fields where it has them (after a
     ``WebLoader``, stages in the training process address items by loader batch), else its tar address."""
-    if isinstance(item, dict) and "__url__" in item and "__ordinal__" in item:
-        offset = item.get("__offset__")
-        return [str(item["__url__"]), int(item["__ordinal__"]), None if offset is None else int(offset)]
+    if isinstance(item, dict) and "__url__" in item and ORDINAL_FIELD in item:
+        offset = item.get(OFFSET_FIELD)
+        return [str(item["__url__"]), int(item[ORDINAL_FIELD]), None if offset is None else int(offset)]
     return _position(address)
 
 
@@ -104,7 +99,7 @@ def build_sequence(pieces: Sequence[Piece], length: int, pad_id: int) -> dict[st
         "attention_mask": attention_mask,
         "position_ids": position_ids,
         "cu_seqlens": list(itertools.accumulate(sizes, initial=0)),
-        PROVENANCE: provenance,
+        PROVENANCE_FIELD: provenance,
     }
 
 

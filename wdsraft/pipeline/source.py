@@ -16,7 +16,7 @@ from typing import IO, Any
 from webdataset.handlers import reraise_exception
 
 from wdsraft.core.errors import IndexFormatError, StateMismatchError
-from wdsraft.core.fields import OFFSET_FIELD, ORDINAL_FIELD
+from wdsraft.core.fields import OFFSET_FIELD, ORDINAL_FIELD, TOKEN_START_FIELD
 from wdsraft.core.state import describe
 from wdsraft.io.storage import local_path
 from wdsraft.pipeline.addresses import Address
@@ -240,9 +240,6 @@ class TarfileToSamples(SourceStage):
             if pending:
                 raise StateMismatchError(f"{url}: saved sample positions {sorted(pending)[:5]} not found")
         return samples
-
-
-TOKEN_START_FIELD = "__token_start__"
 
 
 class _ReaderView:

@@ -8,6 +8,7 @@ from array import array
 from typing import IO, cast
 from urllib.parse import urlparse
 
+from wdsraft.core.fields import OFFSET_FIELD
 from wdsraft.index.shard_index import ShardIndex
 from wdsraft.io.compression import uncompressed
 from wdsraft.io.gopen import gopen
@@ -42,7 +43,7 @@ def build_index(url: str, checksum: bool = True) -> ShardIndex:
     try:
         stream, compression = uncompressed(cast(IO[bytes], hashing))
         reader = ShardSampleReader(url, stream=stream)  # (metadata members skipped, as every reader does)
-        offsets = array("Q", (sample["__offset__"] for sample in reader))
+        offsets = array("Q", (sample[OFFSET_FIELD] for sample in reader))
         offsets.append(reader.next_offset)
         while hashing.read(1 << 22):  # whatever follows the end blocks still belongs to the file
             pass
