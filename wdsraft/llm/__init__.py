@@ -8,7 +8,6 @@ Imports ``wdsraft.core`` and ``wdsraft.pipeline``; never ``wdsraft.ledger``.
 from wdsraft.llm.bos_eos import ensure_bos_eos
 from wdsraft.llm.chunking import Chunk, ConcatChunk, chunk, concat_chunk, pad
 from wdsraft.llm.collate import (
-    builds_sequences,
     collate_sequences,
     is_sequence,
     is_sequence_batch,
@@ -52,7 +51,6 @@ __all__ = [
     "as_tokenizer",
     "available_cores",
     "build_sequence",
-    "builds_sequences",
     "chunk",
     "collate_sequences",
     "collated_here",

@@ -11,17 +11,11 @@ from typing import Any
 import torch
 
 from wdsraft.core.fields import PROVENANCE_FIELD
-from wdsraft.llm.chunking import Chunk, ConcatChunk, pad
-from wdsraft.llm.pack import PackBestFit
 from wdsraft.llm.sequences import SEQUENCE_TENSORS, TOKENS
+from wdsraft.llm.transport import collated_here
+from wdsraft.pipeline.batch import register_batch_format
 
 logger = logging.getLogger(__name__)
-
-
-def builds_sequences(stage: Any) -> bool:
-    """Whether ``stage`` is one of the stages that make sequences with ``build_sequence`` (exactly: a
-    subclass may change what they hold)."""
-    return type(stage) in (ConcatChunk, Chunk, PackBestFit, pad)
 
 
 def is_sequence(item: Any) -> bool:
@@ -76,3 +70,28 @@ def collate_sequences(sequences: list[dict[str, Any]]) -> dict[str, Any]:
     batch["max_seqlen"] = max((b - a for a, b in itertools.pairwise(boundaries)), default=0)
     batch[PROVENANCE_FIELD] = [s[PROVENANCE_FIELD] for s in sequences]
     return batch
+
+
+class SequenceBatches:
+    """Token sequences as a batch format of ``batched``/``unbatched`` (``pipeline.batch``'s hook)."""
+
+    @property
+    def collate(self) -> Any:
+        return collate_sequences
+
+    def is_item(self, item: Any) -> bool:
+        return is_sequence(item)
+
+    def collate_batch(self, items: list[Any]) -> Any:
+        batch = collate_sequences(items)  # webdataset's collation cannot stack cu_seqlens
+        collated_here(batch)
+        return batch
+
+    def is_batch(self, batch: Any) -> bool:
+        return is_sequence_batch(batch)  # (batch-level cu_seqlens/max_seqlen do not split by row)
+
+    def split(self, batch: Any) -> list[Any]:
+        return split_sequence_batch(batch)
+
+
+register_batch_format(SequenceBatches())

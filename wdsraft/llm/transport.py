@@ -11,7 +11,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from wdsraft.llm.chunking import Chunk, ConcatChunk, pad
+from wdsraft.llm.pack import PackBestFit
 from wdsraft.llm.sequences import IGNORE_INDEX, SEQUENCE_TENSORS, TOKENS, _arange
+from wdsraft.pipeline.batch import batched
+from wdsraft.pipeline.datapipeline import DataPipeline
+from wdsraft.pipeline.loader import register_batch_transport
 
 logger = logging.getLogger(__name__)
 
@@ -109,3 +114,31 @@ def expand_sequence_batch(ids: np.ndarray, used: np.ndarray, rest: dict[str, Any
     batch.update(zip(SEQUENCE_TENSORS, torch.from_numpy(buffer).unbind(0), strict=True))
     batch["cu_seqlens"] = torch.from_numpy(rest["cu_seqlens"])
     return batch
+
+
+def compact_for_transport(batch: Any, dataset: Any) -> CompactSequenceBatch | None:
+    """``pipeline.loader``'s transport hook: the compact form of a sequence batch made in a worker.
+
+    The full check of a compact batch costs as much as making it. A batch that the worker's
+    dataset, a pipeline ending in a sequence stage and ``batched``, collated just now with
+    ``collate_sequences`` reaches the hook with no code run on its sequences since they were
+    built (DataLoader's fetcher only calls next() and the collate function): it needs none.
+    """
+    unchanged = straight_from_collation(batch) and _ends_in_batched_sequences(dataset)
+    return compact_sequence_batch(batch, unchanged=unchanged)
+
+
+def _ends_in_batched_sequences(dataset: Any) -> bool:
+    """Whether ``dataset`` batches sequences straight from the stage that built them (a ``map`` in
+    between may have changed their labels, say: those batches get the full check)."""
+    stages = dataset.pipeline if isinstance(dataset, DataPipeline) else []
+    return len(stages) >= 2 and isinstance(stages[-1], batched) and _builds_sequences(stages[-2])
+
+
+def _builds_sequences(stage: Any) -> bool:
+    """Whether ``stage`` is one of the stages that make sequences with ``build_sequence`` (exactly: a
+    subclass may change what they hold)."""
+    return type(stage) in (ConcatChunk, Chunk, PackBestFit, pad)
+
+
+register_batch_transport(compact_for_transport)

@@ -5,17 +5,62 @@ items' addresses, a batch being split as the batch's address and the index withi
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 from webdataset.filters import (
     default_collation_fn,
 )
 
-from wdsraft import llm
 from wdsraft.core.errors import StateMismatchError
 from wdsraft.core.state import describe
 from wdsraft.pipeline.addresses import Address, pack_addresses, unpack_addresses
 from wdsraft.pipeline.stage import AddressTracker, Context, Stage
+
+
+class BatchFormat(Protocol):
+    """A kind of item that webdataset's collation cannot batch, and how to batch and split it.
+
+    A layer above the pipeline registers one (``wdsraft.llm`` does for token sequences, whose
+    ragged ``cu_seqlens`` do not stack), so that ``batched`` and ``unbatched`` handle it without
+    knowing what it is.
+    """
+
+    @property
+    def collate(self) -> Callable[[list[Any]], Any]:
+        """The collation function that stands for this format when passed as ``collation_fn``."""
+        ...
+
+    def is_item(self, item: Any) -> bool:
+        """Whether ``item`` is of this kind (``batched`` looks at a batch's first item)."""
+        ...
+
+    def collate_batch(self, items: list[Any]) -> Any:
+        """The batch of ``items`` (``collate``, plus whatever the format notes about batches it made)."""
+        ...
+
+    def is_batch(self, batch: Any) -> bool:
+        """Whether ``batch`` is one that ``collate_batch`` made."""
+        ...
+
+    def split(self, batch: Any) -> list[Any]:
+        """The items of a batch of this kind, as they were before collation."""
+        ...
+
+
+_batch_formats: list[BatchFormat] = []
+
+
+def register_batch_format(batch_format: BatchFormat) -> None:
+    """Let ``batched`` (with its default collation) and ``unbatched`` handle another kind of item."""
+    if batch_format not in _batch_formats:
+        _batch_formats.append(batch_format)
+
+
+def _format_of_items(collation_fn: Any, first: Any) -> BatchFormat | None:
+    for batch_format in _batch_formats:
+        if collation_fn in (default_collation_fn, batch_format.collate) and batch_format.is_item(first):
+            return batch_format
+    return None
 
 
 class batched(Stage):
@@ -71,10 +116,9 @@ class batched(Stage):
         ctx.provenance = None  # a batch has many sources: stages after it cannot address it
         if self.collation_fn is None:
             return list(batch)
-        if self.collation_fn in (default_collation_fn, llm.collate_sequences) and llm.is_sequence(batch[0]):
-            collated = llm.collate_sequences(list(batch))  # webdataset's collation cannot stack cu_seqlens
-            llm.collated_here(collated)
-            return collated
+        batch_format = _format_of_items(self.collation_fn, batch[0])
+        if batch_format is not None:
+            return batch_format.collate_batch(list(batch))
         return self.collation_fn(list(batch))
 
 
@@ -144,8 +188,9 @@ class unbatched(_Splitter):
     def split(self, sample: Any) -> list[Any]:
         if isinstance(sample, (list, tuple)):
             return [tuple(x[i] for x in sample) for i in range(len(sample[0]))]
-        if llm.is_sequence_batch(sample):  # (batch-level cu_seqlens/max_seqlen do not split by row)
-            return llm.split_sequence_batch(sample)
+        for batch_format in _batch_formats:  # (a registered kind first: its batch may also be a dict)
+            if batch_format.is_batch(sample):
+                return batch_format.split(sample)
         if isinstance(sample, dict):
             lengths = {len(v) for v in sample.values()}
             assert len(lengths) == 1, lengths

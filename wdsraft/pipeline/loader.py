@@ -1,0 +1,140 @@
+"""A ``StatefulDataLoader`` as a pipeline source (``WebLoader``'s first stage), and the conversion of
+batches the dataset already formed, with a hook for formats that cross from workers in a compact form.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch.utils.data import default_convert, get_worker_info
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from wdsraft.core.state import describe
+from wdsraft.pipeline.addresses import Address
+from wdsraft.pipeline.stage import Context, SourceStage, Stage
+
+
+class LoaderSource(SourceStage):
+    """A ``StatefulDataLoader`` as the source of a pipeline in the training process.
+
+    Its items (batches) are addressed by their number in the epoch. To save items that
+    stages after it hold (an ``unbatched().shuffle(n)`` buffer), it saves the loader's state
+    from just before the oldest batch they came from, plus how many batches to re-fetch:
+    a restore rolls the loader back that far and re-reads them (bounded by the buffer, not
+    by how far into the epoch the checkpoint is).
+    """
+
+    needs_live_addresses = True
+
+    def __init__(self, loader: StatefulDataLoader):
+        self.loader = loader
+        self._snapshots: dict[int, dict[str, Any]] = {}
+        self._replayed: dict[int, Any] = {}
+        self._fetched = 0
+
+    def config(self) -> dict[str, Any]:
+        loader = self.loader
+        dataset_config = getattr(loader.dataset, "config", None)
+        return {
+            "dataset": describe(dataset_config() if callable(dataset_config) else type(loader.dataset)),
+            "batch_size": loader.batch_size,
+            "num_workers": loader.num_workers,
+            "drop_last": loader.drop_last,
+        }
+
+    def run(self, ctx: Context, src: Iterator[Any] | None, state: dict[str, Any] | None) -> Iterator[Any]:
+        self._snapshots = {}
+        self._replayed = {}
+        self._fetched = 0
+        if state is not None and state["replay"] == 0 and state["loader"].get("_iterator_finished"):
+            # Saved after the loader's last batch of the epoch, with nothing to re-fetch: this pass gets
+            # nothing more from it. Loading that state would start persistent workers on their next
+            # epoch now, and the next pass would start them once more (one epoch skipped).
+            return iter(())
+        if state is not None:
+            self.loader.load_state_dict(state["loader"])
+            self._fetched = state["base"]
+        else:
+            # Workers get a copy of the dataset for each epoch: hand them this epoch, or every epoch would
+            # shuffle like the first (webdataset's non-persistent worker problem). Persistent workers get
+            # their copy once, at the first epoch this loader runs (which after a restore between two
+            # epochs is not epoch 0), and count the later epochs themselves.
+            set_epoch = getattr(self.loader.dataset, "set_epoch", None)
+            workers_alive = self.loader.persistent_workers and self.loader._iterator is not None
+            if set_epoch is not None and not workers_alive:
+                set_epoch(ctx.epoch)
+        iterator = iter(self.loader)
+        # Re-fetch now the batches whose items the restored stages downstream hold: they ask for them
+        # before they pull anything from this stage.
+        for _ in range(state["replay"] if state is not None else 0):
+            self._snapshots[self._fetched] = self.loader.state_dict()
+            self._replayed[self._fetched] = next(iterator)
+            self._fetched += 1
+        return self._batches(ctx, iterator)
+
+    def _batches(self, ctx: Context, iterator: Iterator[Any]) -> Iterator[Any]:
+        # Snapshots of the loader are only needed to re-read batches that stages after this one hold;
+        # without such stages, skip them (each costs a state_dict() of the loader and its dataset).
+        keep = any(isinstance(stage, Stage) for stage in ctx.stages[self.index + 1 :])
+        while True:
+            if keep:
+                self._snapshots[self._fetched] = self.loader.state_dict()
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                self._snapshots.pop(self._fetched, None)
+                return
+            serial = self._fetched
+            self._fetched += 1
+            ctx.stamp((serial, 0))
+            yield batch
+            if len(self._snapshots) > 64:
+                self._prune(ctx)
+
+    def _prune(self, ctx: Context) -> None:
+        live = [address[0] for address in ctx.live_addresses()]
+        oldest = min(live) if live else self._fetched
+        for serial in [s for s in self._snapshots if s < oldest]:
+            del self._snapshots[serial]
+            self._replayed.pop(serial, None)
+
+    def source_state(self, live_addresses: list[Address]) -> dict[str, Any]:
+        oldest = min((address[0] for address in live_addresses), default=self._fetched)
+        snapshot = self._snapshots.get(oldest)
+        if snapshot is None:  # nothing held: the loader's state now
+            snapshot, oldest = self.loader.state_dict(), self._fetched
+        return {"loader": snapshot, "base": oldest, "replay": self._fetched - oldest}
+
+    def rematerialize(self, addresses: list[Address]) -> list[Any]:
+        return [self._replayed[address[0]] for address in addresses]
+
+
+#: In a DataLoader worker, a function ``(batch, dataset) -> object | None`` that may give a batch a
+#: compact form for the crossing to the training process (unpickling there rebuilds the batch).
+BatchTransport = Callable[[Any, Any], Any]
+
+_batch_transports: list[BatchTransport] = []
+
+
+def register_batch_transport(transport: BatchTransport) -> None:
+    """Let batches of some kind cross from DataLoader workers in a compact form of their own."""
+    if transport not in _batch_transports:
+        _batch_transports.append(transport)
+
+
+def convert_batch(batch: Any) -> Any:
+    """``DataLoader``'s conversion of a batch the dataset already formed (``batch_size=None``),
+    without walking metadata fields (``__key__``, ``__provenance__``...): they hold no arrays,
+    and walking an LLM batch's provenance lists cost more than building the batch. In a worker,
+    a registered transport may pack the batch for the crossing (``wdsraft.llm`` does, for token
+    sequences)."""
+    info = get_worker_info()
+    if info is not None:
+        for transport in _batch_transports:
+            compact = transport(batch, info.dataset)
+            if compact is not None:
+                return compact
+    if type(batch) is dict:
+        return {k: v if isinstance(k, str) and k.startswith("__") else default_convert(v) for k, v in batch.items()}
+    return default_convert(batch)
