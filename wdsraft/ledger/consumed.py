@@ -13,7 +13,7 @@ from typing import Any
 from pyroaring import BitMap
 
 from wdsraft.core.errors import LedgerError, StateMismatchError
-from wdsraft.core.fields import ORDINAL_FIELD, PROVENANCE_FIELD
+from wdsraft.core.fields import ORDINAL_FIELD, PROVENANCE_FIELD, TOKEN_START_FIELD
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,16 @@ class ConsumedSet:
 
     def tokens_consumed(self, shard: str, ordinal: int) -> int:
         return self.tokens.get(shard, {}).get(ordinal, 0)
+
+    def skipped_in(self, url: str) -> BitMap | None:
+        """The source's ``SkipSet``: the ordinals of ``url`` consumed whole."""
+        return self.samples.get(url)
+
+    def marks_in(self, url: str) -> dict[int, dict[str, int]] | None:
+        """The source's ``SkipSet``: documents of ``url`` delivered in part, marked with the first
+        token still owed, so that the sequence stages continue them there."""
+        partial = self.tokens.get(url)
+        return {ordinal: {TOKEN_START_FIELD: end} for ordinal, end in partial.items() if end} if partial else None
 
     def count(self) -> int:
         return sum(len(b) for b in self.samples.values())

@@ -10,14 +10,15 @@ from __future__ import annotations
 import io
 import logging
 import os
-from collections.abc import Callable, Iterator
-from typing import IO, Any
+from collections.abc import Callable, Container, Iterator, Mapping
+from typing import IO, Any, Protocol
 
 from webdataset.handlers import reraise_exception
 
 from wdsraft.core.errors import IndexFormatError, StateMismatchError
-from wdsraft.core.fields import OFFSET_FIELD, ORDINAL_FIELD, TOKEN_START_FIELD
+from wdsraft.core.fields import OFFSET_FIELD, ORDINAL_FIELD
 from wdsraft.core.state import describe
+from wdsraft.index.shard_index import ShardIndex
 from wdsraft.io.storage import local_path
 from wdsraft.pipeline.addresses import Address
 from wdsraft.pipeline.stage import Context, SourceStage
@@ -28,6 +29,22 @@ logger = logging.getLogger(__name__)
 
 
 Handler = Callable[[BaseException], bool]
+
+
+class SkipSet(Protocol):
+    """What an elastic resume tells the source to leave out of each shard, and to note on what it reads.
+
+    ``wdsraft.ledger.ConsumedSet`` implements it: samples consumed by earlier runs, and the first
+    token still owed of documents they delivered in part.
+    """
+
+    def skipped_in(self, url: str) -> Container[int] | None:
+        """The ordinals of ``url`` not to read, or None where none are skipped."""
+        ...
+
+    def marks_in(self, url: str) -> Mapping[int, Mapping[str, Any]] | None:
+        """Fields to set on samples of ``url`` by ordinal (e.g. ``__token_start__``), or None."""
+        ...
 
 
 class TarfileToSamples(SourceStage):
@@ -51,7 +68,7 @@ class TarfileToSamples(SourceStage):
         self.rename_files = rename_files
         self.local_path = local_path  # add __local_path__ for local shards, as webdataset.WebDataset does
         self._live: dict[str, Any] = self._fresh()
-        self._token_marks: dict[str, dict[int, int]] = {}  # a ledger's partly delivered documents
+        self._skip: SkipSet | None = None  # an elastic resume's skip set, for this pass
 
     @staticmethod
     def _fresh() -> dict[str, Any]:
@@ -72,7 +89,7 @@ class TarfileToSamples(SourceStage):
             raise ValueError("tarfile_to_samples needs a stream of shard URLs before it")
         # Adopt the state now: a state taken before the generator first runs must be this one.
         self._live = dict(state) if state is not None else self._fresh()
-        self._token_marks = ctx.skip.tokens if ctx.skip is not None else {}
+        self._skip = ctx.skip
         return self._samples(ctx, src, state)
 
     def _reader(
@@ -139,12 +156,10 @@ class TarfileToSamples(SourceStage):
         """Readers over what is left to read of a shard: all of it, or -- with a ledger's consumed set
         (elastic resume) -- the runs of samples not yet consumed, found through the shard index so
         consumed samples are not even read, and fully consumed shards not opened."""
-        consumed = ctx.skip.samples.get(url) if ctx.skip is not None else None
+        consumed = ctx.skip.skipped_in(url) if ctx.skip is not None else None
         if consumed is None:
             yield self._marking(ctx, url, self._reader(url, offset, ordinal))
             return
-        from wdsraft.index.shard_index import ShardIndex  # the index module reads shards with this one: import late
-
         try:
             offsets = ShardIndex.load(url).offsets
         except IndexFormatError:  # no index: read everything and drop what was consumed
@@ -164,8 +179,8 @@ class TarfileToSamples(SourceStage):
             run_start = run_end
 
     def _marking(self, ctx: Context, url: str, reader: ShardSampleReader) -> ShardSampleReader:
-        tokens = ctx.skip.tokens.get(url) if ctx.skip is not None else None
-        return _TokenMarked(reader, tokens) if tokens else reader  # type: ignore[return-value]
+        marks = ctx.skip.marks_in(url) if ctx.skip is not None else None
+        return _Marked(reader, marks) if marks else reader  # type: ignore[return-value]
 
     def rematerialize(self, addresses: list[Address]) -> list[Any]:
         """Re-read samples by (url, ordinal, offset).
@@ -187,12 +202,12 @@ class TarfileToSamples(SourceStage):
             samples = self._read_spans(url, local, by_offset, ordinals) if local is not None else None
             if samples is None:
                 samples = self._read_runs(url, by_offset, ordinals)
-            marks = self._token_marks.get(url)
+            marks = self._skip.marks_in(url) if self._skip is not None else None
             for offset, sample in samples.items():
                 if self.local_path and local is not None:
                     sample["__local_path__"] = local
-                if marks and sample[ORDINAL_FIELD] in marks:  # as _TokenMarked does when reading
-                    sample[TOKEN_START_FIELD] = marks[sample[ORDINAL_FIELD]]
+                if marks and sample[ORDINAL_FIELD] in marks:  # as _Marked does when reading
+                    sample.update(marks[sample[ORDINAL_FIELD]])
                 slots = by_offset[offset]
                 for slot in slots:
                     found[slot] = sample if slot == slots[0] else dict(sample)
@@ -201,8 +216,6 @@ class TarfileToSamples(SourceStage):
     def _read_spans(
         self, url: str, path: str, by_offset: dict[int, list[int]], ordinals: dict[tuple[str, int], int]
     ) -> dict[int, dict[str, Any]] | None:
-        from wdsraft.index.shard_index import ShardIndex  # the index module reads shards with this one: import late
-
         try:
             index = ShardIndex.load(url)
         except (IndexFormatError, OSError):
@@ -288,18 +301,19 @@ class _Bounded(_ReaderView):
                 return
 
 
-class _TokenMarked(_ReaderView):
-    """Marks documents partly delivered before (a ledger's token counts) so tokenize continues them."""
+class _Marked(_ReaderView):
+    """Sets a skip set's fields on the samples it names (a ledger marks documents partly delivered
+    before, so that the sequence stages continue them)."""
 
-    def __init__(self, reader: Any, tokens: dict[int, int]):
+    def __init__(self, reader: Any, marks: Mapping[int, Mapping[str, Any]]):
         super().__init__(reader)
-        self.tokens = tokens
+        self.marks = marks
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         for sample in self.reader:
-            start = self.tokens.get(sample[ORDINAL_FIELD])
-            if start:
-                sample[TOKEN_START_FIELD] = start
+            fields = self.marks.get(sample[ORDINAL_FIELD])
+            if fields:
+                sample.update(fields)
             yield sample
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import DataLoader, IterableDataset
 from webdataset.utils import PipelineStage
@@ -15,6 +15,9 @@ from webdataset.utils import PipelineStage
 from wdsraft.core.distributed import WorkerInfo, worker_info
 from wdsraft.core.errors import StateMismatchError
 from wdsraft.pipeline.addresses import Address
+
+if TYPE_CHECKING:  # (the source imports this module)
+    from wdsraft.pipeline.source import SkipSet
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +38,8 @@ class Context:
         self.source: SourceStage | None = None
         self.rematerializers: dict[int, Callable[[list[Address]], list[Any]]] = {}
         self.stages: list[Any] = []
-        #: A ledger's consumed set for this epoch (elastic resume): the source skips these positions.
-        self.skip: Any = None
+        #: A ``SkipSet`` for this epoch (a ledger's consumed set, on an elastic resume): what the source leaves out.
+        self.skip: SkipSet | None = None
 
     def stamp(self, address: Address) -> None:
         self.provenance = address
