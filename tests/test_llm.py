@@ -16,11 +16,11 @@ import tiktoken
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_pipeline import identity, resume, roundtrip, states_along
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 import wdsraft as wds
 from wdsraft.llm.sequences import build_sequence
+from wdsraft.testing import identity, resume, roundtrip, states_along
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # webdataset's advice warnings
 

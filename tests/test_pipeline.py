@@ -7,21 +7,18 @@ yield exactly the rest of the uninterrupted stream.
 
 from __future__ import annotations
 
-import io
 import itertools
 import json
-import random
 from typing import Any
 
 import msgpack
-import numpy as np
 import pytest
-import torch
 import webdataset
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import wdsraft as wds
+from wdsraft.testing import assert_resumes_everywhere, identity, resume, roundtrip, states_along
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # webdataset's advice warnings
 
@@ -36,62 +33,6 @@ def urls(tmp_path_factory, corpus_records) -> list[str]:
         for number, record in enumerate(corpus_records[: SHARDS * PER_SHARD]):
             sink.write({"__key__": f"{number:05d}", "txt": record["text"][:200], "json": {"id": record["id"]}})
     return sorted(str(p) for p in directory.glob("p-*.tar"))
-
-
-def identity(item: Any) -> Any:
-    """A comparable identity for samples, tuples and batches."""
-    if isinstance(item, dict):
-        if "__key__" in item:
-            return item["__key__"]
-        return tuple((key, identity(value)) for key, value in sorted(item.items()))
-    if isinstance(item, (torch.Tensor, np.ndarray)):
-        return identity(item.tolist())
-    if isinstance(item, (list, tuple)):
-        return tuple(identity(x) for x in item)
-    return item
-
-
-def roundtrip(state: dict[str, Any], how: str) -> dict[str, Any]:
-    """States are plain data: they survive JSON, msgpack and torch.load(weights_only=True)."""
-    if how == "json":
-        return json.loads(json.dumps(state))
-    if how == "msgpack":
-        return msgpack.unpackb(msgpack.packb(state), strict_map_key=False)
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=True)
-
-
-def states_along(make, limit: int | None = None) -> tuple[list[Any], list[dict[str, Any]]]:
-    """The uninterrupted stream and the state before each of its elements (and after the last)."""
-    pipeline = make()
-    iterator = iter(pipeline)
-    stream, states = [], [pipeline.state_dict()]
-    for item in iterator:
-        stream.append(identity(item))
-        states.append(pipeline.state_dict())
-        if limit is not None and len(stream) >= limit:
-            break
-    return stream, states
-
-
-def resume(make, state: dict[str, Any], how: str = "msgpack", seed: int = 0) -> list[Any]:
-    random.seed(10_000 + seed)  # a fresh pipeline must not depend on the global RNGs
-    np.random.seed(10_000 + seed)
-    torch.manual_seed(10_000 + seed)
-    pipeline = make()
-    pipeline.load_state_dict(roundtrip(state, how))
-    return [identity(item) for item in pipeline]
-
-
-def assert_resumes_everywhere(make, kill_points: list[int] | None = None) -> list[Any]:
-    stream, states = states_along(make)
-    points = range(len(states)) if kill_points is None else [min(k, len(states) - 1) for k in kill_points]
-    for k in points:
-        how = ("msgpack", "json", "torch")[k % 3]
-        assert resume(make, states[k], how, seed=k) == stream[k:], f"resume before element {k}"
-    return stream
 
 
 def sample_buffer(state: dict[str, Any]) -> list:

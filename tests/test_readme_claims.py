@@ -13,9 +13,9 @@ from __future__ import annotations
 import re
 
 import pytest
-from test_pipeline import identity, resume, states_along
 
 import wdsraft as wds
+from wdsraft.testing import identity, resume, states_along
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # webdataset's advice warnings
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_pipeline import identity, resume, roundtrip, states_along
 
 import wdsraft as wds
+from wdsraft.testing import identity, resume, roundtrip, states_along
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # webdataset's advice warnings
 
