@@ -17,40 +17,12 @@ from itertools import islice
 from typing import Any
 
 from torch.utils.data import IterableDataset
-from webdataset.shardlists import (
-    DirectoryShardList,
-    MultiShardSample,
-    envlookup,
-    envsubst,
-    expand_source,
-    expand_urls,
-    non_empty,
-    resampled,
-    shardspec,
-)
+from webdataset.shardlists import expand_source, expand_urls
 from webdataset.utils import make_seed as webdataset_make_seed
 
 from wdsraft.core.distributed import pytorch_worker_seed, worker_info
 from wdsraft.core.state import describe, fingerprint
 from wdsraft.pipeline.stage import Context, Stage
-
-__all__ = [
-    "DirectoryShardList",
-    "MultiShardSample",
-    "ResampledShardList",
-    "ResampledShards",
-    "SimpleShardList",
-    "envlookup",
-    "envsubst",
-    "expand_source",
-    "expand_urls",
-    "non_empty",
-    "resampled",
-    "shardspec",
-    "single_node_only",
-    "split_by_node",
-    "split_by_worker",
-]
 
 
 def split_by_node(src: Iterator[Any], group: object = None) -> Iterator[Any]:

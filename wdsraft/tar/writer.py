@@ -33,8 +33,6 @@ from wdsraft.io.storage import abort_write, is_s3, local_path, open_atomic
 from wdsraft.tar.format import HeaderBuilder, end_of_archive, member_padding
 from wdsraft.tar.naming import is_meta_member, split_key
 
-__all__ = ["ShardWriter", "TarWriter"]
-
 logger = logging.getLogger(__name__)
 
 
