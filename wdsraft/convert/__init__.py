@@ -1,0 +1,46 @@
+"""JSONL to globally shuffled WebDataset shards: the library behind ``wdsraft convert``."""
+
+from wdsraft.convert.converter import (
+    DEFAULT_SAMPLES_PER_SHARD,
+    FORMATS,
+    PHASES,
+    BadRecord,
+    ConvertError,
+    ConvertOptions,
+    ConvertReport,
+    HeaderBuilder,
+    InputFile,
+    InputReport,
+    LineReader,
+    ShardAssembler,
+    ShardLayout,
+    convert,
+    default_workers,
+    expand_inputs,
+    parse_size,
+    slurm_array_task,
+    tar_safe_key,
+)
+from wdsraft.convert.converter import _name_inputs as _name_inputs
+
+__all__ = [
+    "DEFAULT_SAMPLES_PER_SHARD",
+    "FORMATS",
+    "PHASES",
+    "BadRecord",
+    "ConvertError",
+    "ConvertOptions",
+    "ConvertReport",
+    "HeaderBuilder",
+    "InputFile",
+    "InputReport",
+    "LineReader",
+    "ShardAssembler",
+    "ShardLayout",
+    "convert",
+    "default_workers",
+    "expand_inputs",
+    "parse_size",
+    "slurm_array_task",
+    "tar_safe_key",
+]
