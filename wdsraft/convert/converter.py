@@ -14,7 +14,6 @@ import sys
 import time
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import urlparse
 
 import numpy as np
 
@@ -29,7 +28,7 @@ from wdsraft.convert.shards import _run_bucket
 from wdsraft.convert.workdir import Plan, WorkDir, choose_buckets, fingerprint, plan_settings
 from wdsraft.core.errors import IndexFormatError
 from wdsraft.index.manifest import MANIFEST_NAME, Manifest
-from wdsraft.io.s3 import s3_client
+from wdsraft.io.s3 import list_objects
 from wdsraft.io.storage import is_s3, local_path, remove, write_bytes_atomic
 
 logger = logging.getLogger(__name__)
@@ -151,15 +150,7 @@ class Converter:
         pattern = re.compile(rf"({re.escape(name)}-\d+\.tar(\.idx)?|{MANIFEST_NAME}|{REJECTS_NAME})")
         output = self.options.output
         if is_s3(output):
-            parsed = urlparse(output + "/")
-            prefix = parsed.path.lstrip("/")
-            found = []
-            paginator = s3_client().get_paginator("list_objects_v2")
-            for page in paginator.paginate(Bucket=parsed.netloc, Prefix=prefix, Delimiter="/"):
-                for item in page.get("Contents", []):
-                    if pattern.fullmatch(item["Key"][len(prefix) :]):
-                        found.append(f"s3://{parsed.netloc}/{item['Key']}")
-            return found
+            return [item.url for item in list_objects(output + "/", delimiter="/") if pattern.fullmatch(item.name)]
         path = local_path(output) or output
         if not os.path.isdir(path):
             return []

@@ -6,7 +6,6 @@ import logging
 import os
 import shutil
 from typing import Any
-from urllib.parse import urlparse
 
 from wdsraft.convert.buckets import ShardLayout
 from wdsraft.convert.options import ConvertError, ConvertOptions
@@ -15,7 +14,7 @@ from wdsraft.convert.scatter import _abort
 from wdsraft.convert.workdir import Plan, WorkDir
 from wdsraft.index.manifest import MANIFEST_NAME, Manifest, ManifestEntry
 from wdsraft.index.shard_index import INDEX_SUFFIX
-from wdsraft.io.s3 import s3_client
+from wdsraft.io.s3 import list_objects
 from wdsraft.io.storage import is_s3, local_path, open_atomic
 
 logger = logging.getLogger(__name__)
@@ -106,12 +105,7 @@ class Finalizer:
     def _check_shards(self, shards: list[dict[str, Any]]) -> None:
         output = self.plan.output
         if is_s3(output):
-            parsed = urlparse(output + "/")
-            prefix = parsed.path.lstrip("/")
-            sizes = {}
-            for page in s3_client().get_paginator("list_objects_v2").paginate(Bucket=parsed.netloc, Prefix=prefix):
-                for item in page.get("Contents", []):
-                    sizes[item["Key"][len(prefix) :]] = int(item["Size"])
+            sizes = {item.name: item.size for item in list_objects(output + "/")}
         else:
             directory = local_path(output) or output
             sizes = {n: os.path.getsize(os.path.join(directory, n)) for n in os.listdir(directory)}

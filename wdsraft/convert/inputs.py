@@ -19,7 +19,7 @@ import zstandard
 
 from wdsraft.convert.keys import tar_safe_key
 from wdsraft.convert.options import ConvertError
-from wdsraft.io.s3 import s3_client
+from wdsraft.io.s3 import list_objects, s3_client
 from wdsraft.io.storage import is_s3, local_path
 
 # Assumed expansion of compressed inputs whose uncompressed size their header does not tell.
@@ -97,17 +97,11 @@ def _list_s3(url: str) -> list[tuple[str, int]]:
     key = parsed.path.lstrip("/")
     magic = re.search(r"[*?\[]", key)
     prefix = key[: magic.start()] if magic else key
-    paginator = s3_client().get_paginator("list_objects_v2")
-    found = []
-    for page in paginator.paginate(Bucket=parsed.netloc, Prefix=prefix):
-        for item in page.get("Contents", []):
-            name = item["Key"]
-            if magic is not None and not fnmatchcase(name, key):
-                continue
-            if magic is None and not _looks_like_input(name):
-                continue
-            found.append((f"s3://{parsed.netloc}/{name}", int(item["Size"])))
-    return sorted(found)
+    return [
+        (item.url, item.size)
+        for item in list_objects(f"s3://{parsed.netloc}/{prefix}")
+        if (fnmatchcase(item.key, key) if magic is not None else _looks_like_input(item.key))
+    ]
 
 
 def _s3_size(url: str) -> int:
