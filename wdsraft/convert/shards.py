@@ -20,7 +20,7 @@ from wdsraft.convert.options import ConvertError
 from wdsraft.convert.records import PayloadCodec, extensions_of
 from wdsraft.convert.workdir import Plan, WorkDir
 from wdsraft.index.shard_index import INDEX_SUFFIX
-from wdsraft.io.s3 import s3_endpoint_url, s5cmd_binary
+from wdsraft.io.s3 import s5cmd_binary, s5cmd_command
 from wdsraft.io.storage import is_s3, local_path
 from wdsraft.tar.assembler import ShardAssembler
 from wdsraft.tar.format import HeaderBuilder
@@ -74,11 +74,7 @@ class S5cmdShardSink(ShardSink):
     def commit(self) -> None:
         if not os.listdir(self.staging):
             return
-        command = [self.binary]
-        endpoint = s3_endpoint_url()
-        if endpoint:
-            command += ["--endpoint-url", endpoint]
-        command += ["cp", os.path.join(self.staging, "*"), self.output + "/"]
+        command = s5cmd_command(self.binary, "cp", os.path.join(self.staging, "*"), self.output + "/")
         result = subprocess.run(command, capture_output=True, text=True, check=False)
         if result.returncode != 0:
             raise ConvertError(

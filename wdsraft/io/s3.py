@@ -70,10 +70,11 @@ def s5cmd_binary(variable: str = "WDSRAFT_S3_READER") -> str | None:
     return found
 
 
-def s5cmd_cat(binary: str, url: str) -> BinaryIO:
-    args = [binary]
+def s5cmd_command(binary: str, *args: str) -> list[str]:
+    """An s5cmd command line (``s5cmd cat URL``, ``s5cmd cp ...``) for this process's S3 endpoint."""
     endpoint = s3_endpoint_url()
-    if endpoint:
-        args += ["--endpoint-url", endpoint]
-    args += ["cat", url]
-    return cast(BinaryIO, Pipe(args, mode="rb", bufsize=1 << 20))
+    return [binary, *(["--endpoint-url", endpoint] if endpoint else []), *args]
+
+
+def s5cmd_cat(binary: str, url: str) -> BinaryIO:
+    return cast(BinaryIO, Pipe(s5cmd_command(binary, "cat", url), mode="rb", bufsize=1 << 20))
