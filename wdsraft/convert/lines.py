@@ -4,18 +4,16 @@ stream is reported after the last whole line before the damage (with the input's
 
 from __future__ import annotations
 
-import bz2
 import contextlib
 import lzma
 import zlib
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import zstandard
 
 from wdsraft.convert.inputs import InputFile
 from wdsraft.convert.options import ConvertError
-from wdsraft.io.compression import sniff_compression
+from wdsraft.io.compression import decompressor, sniff_compression
 from wdsraft.io.gopen import gopen
 
 _UTF8_BOM = b"\xef\xbb\xbf"
@@ -36,19 +34,8 @@ class _Decoder:
 
     def __init__(self, kind: str):
         self.kind = kind
-        self._decoder = self._new()
+        self._decoder = decompressor(kind)
         self._open = False  # fed bytes of a member/frame not yet ended
-
-    def _new(self) -> Any:
-        if self.kind == "gzip":
-            return zlib.decompressobj(16 + zlib.MAX_WBITS)
-        if self.kind == "zstd":
-            return zstandard.ZstdDecompressor().decompressobj()
-        if self.kind == "bz2":
-            return bz2.BZ2Decompressor()
-        if self.kind == "xz":
-            return lzma.LZMADecompressor()
-        raise ValueError(f"unknown compression {self.kind}")
 
     # A failing decompress() call loses what it decoded. Members/frames that ended before the damage
     # are kept for every format; where the decoder can be copied (gzip), the failing piece is re-fed
@@ -82,7 +69,7 @@ class _Decoder:
                 if not self._decoder.eof:
                     break
                 data = self._decoder.unused_data
-                self._decoder = self._new()
+                self._decoder = decompressor(self.kind)
                 self._open = False
                 if not data.strip(b"\0"):  # zero padding after the last member (tape-style gzip)
                     break
