@@ -1,4 +1,6 @@
-"""Running jobs in this process or in a pool of worker processes, with a progress bar that the jobs feed."""
+"""Running jobs in this process or in a pool of worker processes, with a progress bar fed by the
+``progress`` listener of the jobs' events (through a counter the workers share).
+"""
 
 from __future__ import annotations
 
@@ -8,11 +10,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from typing import Any, TypeVar
 
-_progress: Callable[[int], None] = lambda n: None  # noqa: E731 - replaced per process
-
-
-def _report_progress(n: int) -> None:
-    _progress(n)
+from wdsraft.convert import events
 
 
 def _shared_counter(counter: Any) -> Callable[[int], None]:
@@ -24,8 +22,7 @@ def _shared_counter(counter: Any) -> Callable[[int], None]:
 
 
 def _init_worker(counter: Any) -> None:
-    global _progress
-    _progress = _shared_counter(counter)
+    events.progress.advance = _shared_counter(counter)
 
 
 T = TypeVar("T")
@@ -53,7 +50,6 @@ class JobRunner:
     ) -> list[T]:
         from tqdm import tqdm
 
-        global _progress
         bar = tqdm(
             total=total, desc=description, unit=unit, unit_scale=True, disable=not self.progress, file=sys.stderr
         )
@@ -64,7 +60,7 @@ class JobRunner:
                 def advance(n: int) -> None:
                     bar.update(n)
 
-                saved, _progress = _progress, advance
+                saved, events.progress.advance = events.progress.advance, advance
                 try:
                     for job in jobs:
                         result = function(*job)
@@ -72,7 +68,7 @@ class JobRunner:
                         if on_done:
                             on_done(result)
                 finally:
-                    _progress = saved
+                    events.progress.advance = saved
                 return results
             context = multiprocessing.get_context()  # the platform's default start method
             counter = context.Value("q", 0)

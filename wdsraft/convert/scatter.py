@@ -17,8 +17,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from wdsraft.convert.events import _TestHook
-from wdsraft.convert.jobs import _report_progress
+from wdsraft.convert.events import BYTES_READ, SPILL, UNIT_DONE, emit
 from wdsraft.convert.keys import ShuffleKeys
 from wdsraft.convert.lines import InputDamaged, LineReader
 from wdsraft.convert.options import ConvertError
@@ -214,8 +213,8 @@ class ScatterJob:
         threshold = max(self.budget * 7 // 8 - (6 << 20), self.budget // 3)
         spiller = BucketSpiller(stream, self.plan.buckets, threshold, codec)
         spiller_budget_set = False
-        spiller.on_spill = lambda: _TestHook.reached(f"spill-unit{self.unit}")
-        reader = LineReader(source, _report_progress)
+        spiller.on_spill = lambda: emit(SPILL, unit=self.unit)
+        reader = LineReader(source, lambda n: emit(BYTES_READ, n))
         lines = blank = 0
         skip = self.on_bad_record == "skip"
         try:
@@ -279,7 +278,7 @@ class ScatterJob:
             "bucket_payload_bytes": spiller.payload_bytes.tolist(),
         }
         WorkDir.write_json(self.workdir.unit_done(self.unit), done)
-        _TestHook.reached("unit")
+        emit(UNIT_DONE, unit=self.unit)
         return done
 
 

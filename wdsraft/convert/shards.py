@@ -14,8 +14,7 @@ from typing import Any
 import numpy as np
 
 from wdsraft.convert.buckets import BucketReader, LoadedRecords, ShardLayout, key_slices
-from wdsraft.convert.events import _TestHook
-from wdsraft.convert.jobs import _report_progress
+from wdsraft.convert.events import BUCKET_DONE, SAMPLES_WRITTEN, SHARD_WRITTEN, emit
 from wdsraft.convert.options import ConvertError
 from wdsraft.convert.records import PayloadCodec, extensions_of
 from wdsraft.convert.workdir import Plan, WorkDir
@@ -159,7 +158,7 @@ class ShardCutter:
         self.written.append(
             {"name": self.names(self.shard), "samples": index.num_samples, "size": index.size, "sha256": index.sha256}
         )
-        _TestHook.reached("shard")
+        emit(SHARD_WRITTEN, shard=self.shard)
 
     def flush(self) -> None:
         if self.writer is not None:
@@ -244,7 +243,7 @@ class BucketJob:
             "per_unit": [[unit, int(n)] for unit, n in enumerate(per_unit.tolist()) if n],
         }
         WorkDir.write_json(self.workdir.bucket_done(self.bucket), done)
-        _TestHook.reached("bucket")
+        emit(BUCKET_DONE, bucket=self.bucket)
         return done
 
 
@@ -261,8 +260,8 @@ def _write_sorted(
                 writer.add(*codec.decode(view, start))
                 per_unit[unit] += 1
             if count % 1024 == 0:
-                _report_progress(1024)
-        _report_progress(len(starts) % 1024)
+                emit(SAMPLES_WRITTEN, 1024)
+        emit(SAMPLES_WRITTEN, len(starts) % 1024)
     finally:
         cutter.flush()  # the shard being written holds views of the buffer
         view.release()
