@@ -23,8 +23,8 @@ from wdsraft.convert.inputs import InputFile, expand_inputs
 from wdsraft.convert.jobs import JobRunner
 from wdsraft.convert.options import ConvertError, ConvertOptions
 from wdsraft.convert.report import ConvertReport, InputReport
-from wdsraft.convert.scatter import _run_scatter
-from wdsraft.convert.shards import _run_bucket
+from wdsraft.convert.scatter import run_scatter
+from wdsraft.convert.shards import run_bucket
 from wdsraft.convert.workdir import Plan, WorkDir, choose_buckets, fingerprint, plan_settings
 from wdsraft.core.errors import IndexFormatError
 from wdsraft.index.manifest import MANIFEST_NAME, Manifest
@@ -221,7 +221,7 @@ class Converter:
             self.report.units_done += 1
             self.report.bytes_in += result["bytes_in"]
 
-        self.runner.run(_run_scatter, jobs, "scatter", total, "B", on_done=done)
+        self.runner.run(run_scatter, jobs, "scatter", total, "B", on_done=done)
 
     def _missing_units(self, plan: Plan) -> str:
         missing = [u for u in range(len(plan.inputs)) if not os.path.exists(self.workdir.unit_done(u))]
@@ -306,7 +306,7 @@ class Converter:
         def done(result: dict[str, Any]) -> None:
             self.report.buckets_done += 1
 
-        self.runner.run(_run_bucket, jobs, "write", total, "sample", on_done=done)
+        self.runner.run(run_bucket, jobs, "write", total, "sample", on_done=done)
 
     def _all_buckets_done(self, plan: Plan) -> bool:
         return all(os.path.exists(self.workdir.bucket_done(b)) for b in range(plan.buckets))

@@ -10,12 +10,11 @@ from typing import Any
 from wdsraft.convert.buckets import ShardLayout
 from wdsraft.convert.options import ConvertError, ConvertOptions
 from wdsraft.convert.report import ConvertReport, InputReport
-from wdsraft.convert.scatter import _abort
 from wdsraft.convert.workdir import Plan, WorkDir
 from wdsraft.index.manifest import MANIFEST_NAME, Manifest, ManifestEntry
 from wdsraft.index.shard_index import INDEX_SUFFIX
 from wdsraft.io.s3 import list_objects
-from wdsraft.io.storage import is_s3, local_path, open_atomic
+from wdsraft.io.storage import abandon_write, is_s3, local_path, open_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +128,7 @@ class Finalizer:
                 with open(path, "rb") as handle:
                     shutil.copyfileobj(handle, stream, 1 << 20)
         except BaseException:
-            _abort(stream)
+            abandon_write(stream)
             raise
         stream.close()
         return True

@@ -23,7 +23,7 @@ from wdsraft.convert.lines import InputDamaged, LineReader
 from wdsraft.convert.options import ConvertError
 from wdsraft.convert.records import BadRecord, PayloadCodec, SampleEncoder
 from wdsraft.convert.workdir import Plan, WorkDir
-from wdsraft.io.storage import abort_write, open_atomic
+from wdsraft.io.storage import abandon_write, open_atomic
 
 RECORD_HEADER = np.dtype([("key", "<u8"), ("size", "<u4")])  # 12 bytes per record
 _FOOTER = struct.Struct("<QQ8s")  # extent table offset, bucket count, magic
@@ -174,12 +174,7 @@ class RejectsWriter:
 
     def abort(self) -> None:
         if self._stream is not None:
-            _abort(self._stream)
-
-
-def _abort(stream: Any) -> None:
-    if not abort_write(stream):
-        stream.close()
+            abandon_write(self._stream)
 
 
 class ScatterJob:
@@ -249,7 +244,7 @@ class ScatterJob:
             stream.close()
             rejects.commit()
         except BaseException as exn:
-            _abort(stream)
+            abandon_write(stream)
             rejects.abort()
             if isinstance(exn, Exception):  # (not an interrupt: a preempted task is requeued and retries)
                 # Tells the other tasks of an array, which would otherwise wait for this input forever. A
@@ -282,5 +277,6 @@ class ScatterJob:
         return done
 
 
-def _run_scatter(plan: Plan, workdir: WorkDir, unit: int, budget: int, on_bad_record: str) -> dict[str, Any]:
+def run_scatter(plan: Plan, workdir: WorkDir, unit: int, budget: int, on_bad_record: str) -> dict[str, Any]:
+    """Scatter one unit (what the job runner sends to a worker process); returns its done-record."""
     return ScatterJob(plan, workdir, unit, budget, on_bad_record).run()

@@ -268,7 +268,8 @@ def _write_sorted(
         loaded.release()
 
 
-def _run_bucket(
+def run_bucket(
     plan: Plan, workdir: WorkDir, bucket: int, layout: ShardLayout, sizes: list[int], budget: int
 ) -> dict[str, Any]:
+    """Write one bucket (what the job runner sends to a worker process); returns its done-record."""
     return BucketJob(plan, workdir, bucket, layout, sizes, budget).run()

@@ -10,7 +10,7 @@ from array import array
 from collections.abc import Sequence
 
 from wdsraft.index.shard_index import ShardIndex
-from wdsraft.io.storage import abort_write, open_atomic
+from wdsraft.io.storage import abandon_write, open_atomic
 from wdsraft.tar.format import HeaderBuilder, end_of_archive
 
 SHARD_MTIME = 0  # a fixed mtime: the same inputs give byte-identical shards
@@ -66,8 +66,7 @@ class ShardAssembler:
         return index
 
     def abort(self) -> None:
-        if not abort_write(self.stream):
-            self.stream.close()
+        abandon_write(self.stream)
 
 
 _ZEROS = bytes(512)
