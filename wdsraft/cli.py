@@ -25,7 +25,7 @@ from wdsraft import __version__
 from wdsraft.core.errors import IndexFormatError, LedgerError, StateMismatchError, TarFormatError
 from wdsraft.index.manifest import MANIFEST_NAME, manifest_for
 from wdsraft.index.shard_index import ShardIndex
-from wdsraft.io.s3 import s3_client
+from wdsraft.io.s3 import list_objects
 from wdsraft.ledger.cli import add_ledger_commands
 from wdsraft.tar.indexer import build_index
 from wdsraft.tar.reader import ShardSampleReader
@@ -41,7 +41,7 @@ def expand_urls(specs: Sequence[str]) -> list[str]:
     for spec in specs:
         for item in braceexpand.braceexpand(spec):
             if item.startswith("s3://") and item.endswith("/"):
-                urls.extend(_list_s3(item))
+                urls.extend(obj.url for obj in list_objects(item) if obj.key.endswith(SHARD_SUFFIXES))
             elif urlparse(item).scheme:
                 urls.append(item)
             elif os.path.isdir(item):
@@ -51,15 +51,6 @@ def expand_urls(specs: Sequence[str]) -> list[str]:
             else:
                 urls.append(item)
     return urls
-
-
-def _list_s3(prefix_url: str) -> list[str]:
-    parsed = urlparse(prefix_url)
-    paginator = s3_client().get_paginator("list_objects_v2")
-    keys: list[str] = []
-    for page in paginator.paginate(Bucket=parsed.netloc, Prefix=parsed.path.lstrip("/")):
-        keys.extend(item["Key"] for item in page.get("Contents", []))
-    return [f"s3://{parsed.netloc}/{key}" for key in sorted(keys) if key.endswith(SHARD_SUFFIXES)]
 
 
 def _index_one(url: str, checksum: bool, save: bool) -> tuple[str, ShardIndex]:

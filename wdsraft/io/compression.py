@@ -6,7 +6,8 @@ import bz2
 import gzip
 import logging
 import lzma
-from typing import IO, cast
+import zlib
+from typing import IO, Any, cast
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +23,23 @@ def decompress_stream(kind: str, raw: IO[bytes]) -> IO[bytes]:
         import zstandard
 
         return cast(IO[bytes], zstandard.ZstdDecompressor().stream_reader(raw, closefd=True))
+    raise ValueError(f"unknown compression {kind}")
+
+
+def decompressor(kind: str) -> Any:
+    """An incremental decompressor of one gzip member, zstd frame, bz2 or xz stream, for a caller that
+    feeds the bytes itself: ``decompress(data)``, then ``eof`` and ``unused_data`` at the member's end
+    (and ``copy()`` for gzip)."""
+    if kind == "gzip":
+        return zlib.decompressobj(16 + zlib.MAX_WBITS)
+    if kind == "zstd":
+        import zstandard
+
+        return zstandard.ZstdDecompressor().decompressobj()
+    if kind == "bz2":
+        return bz2.BZ2Decompressor()
+    if kind == "xz":
+        return lzma.LZMADecompressor()
     raise ValueError(f"unknown compression {kind}")
 
 

@@ -1,4 +1,5 @@
-"""S3 for every part of wdsraft: the endpoint, a boto3 client per process, and the ``s5cmd`` binary.
+"""S3 for every part of wdsraft: the endpoint, a boto3 client per process, object listings, and the
+``s5cmd`` binary.
 
 S3 endpoints come from the usual AWS variables (``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``),
 credentials from boto3's usual chain. Whole-object reads may go through the ``s5cmd`` binary
@@ -11,7 +12,8 @@ import functools
 import logging
 import os
 import shutil
-from typing import Any, BinaryIO, cast
+from typing import Any, BinaryIO, NamedTuple, cast
+from urllib.parse import urlparse
 
 from webdataset.gopen import Pipe
 
@@ -34,6 +36,29 @@ def s3_client() -> Any:
     return _s3_client_for(os.getpid(), s3_endpoint_url())
 
 
+class S3Object(NamedTuple):
+    """One object of a listing."""
+
+    url: str  # s3://BUCKET/KEY
+    key: str
+    name: str  # the key after the listed prefix
+    size: int  # bytes
+
+
+def list_objects(prefix_url: str, delimiter: str | None = None) -> list[S3Object]:
+    """The objects whose key starts with the key of ``prefix_url`` (``s3://BUCKET/PREFIX``), sorted by key.
+    With ``delimiter="/"``: only those directly under the prefix, not in its "subdirectories"."""
+    parsed = urlparse(prefix_url)
+    bucket, prefix = parsed.netloc, parsed.path.lstrip("/")
+    request = {"Bucket": bucket, "Prefix": prefix} | ({"Delimiter": delimiter} if delimiter is not None else {})
+    found = [
+        S3Object(f"s3://{bucket}/{item['Key']}", item["Key"], item["Key"][len(prefix) :], int(item["Size"]))
+        for page in s3_client().get_paginator("list_objects_v2").paginate(**request)
+        for item in page.get("Contents", [])
+    ]
+    return sorted(found, key=lambda item: item.key)
+
+
 def s5cmd_binary(variable: str = "WDSRAFT_S3_READER") -> str | None:
     """The s5cmd binary to use, or None for smart_open, as the variable says (``auto|s5cmd|smart_open``)."""
     choice = os.environ.get(variable, "auto")
@@ -45,10 +70,11 @@ def s5cmd_binary(variable: str = "WDSRAFT_S3_READER") -> str | None:
     return found
 
 
-def s5cmd_cat(binary: str, url: str) -> BinaryIO:
-    args = [binary]
+def s5cmd_command(binary: str, *args: str) -> list[str]:
+    """An s5cmd command line (``s5cmd cat URL``, ``s5cmd cp ...``) for this process's S3 endpoint."""
     endpoint = s3_endpoint_url()
-    if endpoint:
-        args += ["--endpoint-url", endpoint]
-    args += ["cat", url]
-    return cast(BinaryIO, Pipe(args, mode="rb", bufsize=1 << 20))
+    return [binary, *(["--endpoint-url", endpoint] if endpoint else []), *args]
+
+
+def s5cmd_cat(binary: str, url: str) -> BinaryIO:
+    return cast(BinaryIO, Pipe(s5cmd_command(binary, "cat", url), mode="rb", bufsize=1 << 20))

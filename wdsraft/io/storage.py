@@ -135,6 +135,12 @@ def abort_write(stream: Any) -> bool:
     return True
 
 
+def abandon_write(stream: Any) -> None:
+    """``abort_write``, or close a stream that cannot be aborted (what it wrote then stays)."""
+    if not abort_write(stream):
+        stream.close()
+
+
 def write_bytes_atomic(url: str, data: bytes) -> None:
     stream = open_atomic(url)
     try:
