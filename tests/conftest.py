@@ -7,7 +7,6 @@ import http.server
 import io
 import json
 import os
-import socket
 import sys
 import threading
 from collections.abc import Iterator
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import zstandard
+from shardutil import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE_CORPUS = REPO / "examples" / "data" / "kernel-docs-sample.jsonl.zst"
@@ -41,18 +41,12 @@ def corpus_records() -> tuple[dict, ...]:
     return _corpus_records()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def s3_endpoint() -> Iterator[str]:
     """A real S3 HTTP endpoint on 127.0.0.1 (moto in server mode), reached like any S3."""
     from moto.server import ThreadedMotoServer
 
-    port = _free_port()
+    port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     endpoint = f"http://127.0.0.1:{port}"

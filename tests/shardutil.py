@@ -1,7 +1,8 @@
-"""Helpers shared by the tests: reading shards with both libraries and comparing samples."""
+"""Helpers shared by the tests: reading shards with both libraries, comparing samples, free ports."""
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -30,3 +31,10 @@ def corpus_samples(records: Sequence[dict], count: int | None = None) -> list[di
     """webdataset-style samples from corpus records: text as .txt, the id as .json."""
     chosen = records if count is None else records[:count]
     return [{"__key__": f"{n:08d}", "txt": r["text"], "json": {"id": r["id"]}} for n, r in enumerate(chosen)]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free now (for servers and process groups the tests start)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -13,6 +13,7 @@ from pathlib import Path
 import msgpack
 import pytest
 import tiktoken
+from shardutil import free_port
 
 import wdsraft as wds
 from wdsraft.core.errors import LedgerError
@@ -571,10 +572,14 @@ def test_uneven_shares_then_an_elastic_resume_serve_every_sample_once(tmp_path, 
 # -- real processes, SIGKILL, changing world sizes -------------------------------------------------
 
 
-def _run(workdir: Path, urls, world_size: int, workers: int, kill_at: int, kill_after: str, tag: str) -> list[int]:
+def _run(
+    workdir: Path, urls, world_size: int, workers: int, kill_at: int, kill_after: str, tag: str, epochs: int = 1
+) -> list[int]:
     processes = []
+    port = str(free_port())  # the ranks' gloo group (even ends at the epoch's end)
     for rank in range(world_size):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size), "WDSRAFT_RUN": tag}
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
         env.pop("AWS_ENDPOINT_URL", None)
         command = [
             sys.executable,
@@ -589,6 +594,8 @@ def _run(workdir: Path, urls, world_size: int, workers: int, kill_at: int, kill_
             str(kill_at),
             "--kill-after",
             kill_after,
+            "--epochs",
+            str(epochs),
         ]
         processes.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     codes = []
@@ -771,3 +778,63 @@ def test_elastic_resume_with_added_shards(tmp_path, urls, corpus_records) -> Non
     rest = [p for b in again.track(grown) for p in zip(b["__url__"], b["__ordinal__"].tolist(), strict=True)]
     union = Counter(counted + rest)
     assert set(union) == everything(urls) | {(extra, o) for o in range(7)} and max(union.values()) == 1
+
+
+# -- even ends: every rank leaves the epoch on the same step ---------------------------------------
+
+
+def _even_ends_rank(rank: int, world_size: int, port: int, counts: list[int], out) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        out.put((rank, list(wds.until_all_ranks_end(iter(range(counts[rank]))))))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_until_all_ranks_end_gives_every_rank_the_longest_ranks_steps() -> None:
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    counts, port, out = [5, 3, 0], free_port(), context.Queue()
+    processes = [
+        context.Process(target=_even_ends_rank, args=(rank, 3, port, counts, out)) for rank in range(len(counts))
+    ]
+    for process in processes:
+        process.start()
+    results = dict(out.get(timeout=120) for _ in processes)
+    for process in processes:
+        process.join(timeout=60)
+        assert process.exitcode == 0
+    assert results == {0: [0, 1, 2, 3, 4], 1: [0, 1, 2, None, None], 2: [None] * 5}
+
+
+def test_without_a_process_group_batches_pass_through() -> None:
+    assert list(wds.until_all_ranks_end(iter([1, 2]))) == [1, 2]
+
+
+@pytest.mark.slow
+def test_uneven_ranks_commit_the_epochs_end_and_train_every_epoch(tmp_path, urls) -> None:
+    """12 shards of 10 over 5 ranks: shares of 3, 3, 2, 2, 2 shards, so ranks hold 8 or 5 batches of 4
+    (the livelock a SLURM user met: each rank's final checkpoint landed on its own step, none was
+    committed, and every later run re-trained the same tail). With even ends the epoch's last
+    checkpoint is on one step for all ranks, committed; the run trains both epochs, each sample once
+    per epoch, and a later run finds nothing left to do."""
+    codes = _run(tmp_path, urls, world_size=5, workers=0, kill_at=-1, kill_after="batch", tag="even", epochs=2)
+    assert codes == [0] * 5
+    delivered: Counter = Counter()
+    for log in (tmp_path / "delivered").glob("even-rank-*.log"):
+        for line in log.read_text().splitlines():
+            step, shard, ordinal = line.split()
+            delivered[(int(step) > 8, shard, int(ordinal))] += 1  # (epoch 1 starts after step 8)
+    assert len(delivered) == 2 * SHARDS * PER_SHARD and max(delivered.values()) == 1
+    import torch
+
+    saved = sorted((tmp_path / "checkpoints").glob("step-*/run-even"))
+    assert all(len(list(p.glob("rank-*.done"))) == 5 for p in saved)  # every one committed
+    finals = [p.parent.name for p in saved if torch.load(p / "rank-00000.pt", weights_only=True)["final"]]
+    assert finals == ["step-00000008", "step-00000016"]
+    again = _run(tmp_path, urls, world_size=5, workers=0, kill_at=-1, kill_after="batch", tag="again", epochs=2)
+    assert again == [0] * 5 and not list((tmp_path / "delivered").glob("again-*"))

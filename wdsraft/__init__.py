@@ -78,6 +78,7 @@ from wdsraft.llm.pack import pack_bestfit
 from wdsraft.llm.tokenize_stage import tokenize
 from wdsraft.llm.tokenizers import as_tokenizer
 from wdsraft.pipeline import DataPipeline, Stage
+from wdsraft.pipeline.ends import until_all_ranks_end
 from wdsraft.shardlists import (
     MultiShardSample,
     ResampledShards,
@@ -184,6 +185,7 @@ __all__ = [
     "transform_with",
     "unbatched",
     "unlisted",
+    "until_all_ranks_end",
     "utils",
     "warn_and_continue",
     "warn_and_stop",
