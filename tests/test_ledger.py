@@ -689,7 +689,7 @@ def test_ledger_show_merge_rewind_export(tmp_path, urls, capsys) -> None:
     assert exported["epochs"]["0"][urls[0]]["ranges"] == [[0, 4]]
     assert exported["epochs"]["0"][urls[2]]["tokens"] == {"1": 50}
 
-    assert _ledger_cli("merge", path, "--output", str(tmp_path / "merged")) == 0
+    assert _ledger_cli("merge", path, "--output", str(tmp_path / "merged"), "--all-commits") == 0
     merged_watermark = json.loads(capsys.readouterr().out)
     merged = wds.Ledger(str(tmp_path / "merged"), run="check").consumed(0, merged_watermark["lineage"])
     assert consumed_pairs(merged) == {(urls[0], o) for o in range(4)} | {(urls[1], 5), (urls[1], 6), (urls[3], 9)}
@@ -699,6 +699,39 @@ def test_ledger_show_merge_rewind_export(tmp_path, urls, capsys) -> None:
     assert "dropped 1 commits after commit 1" in out and "removed" in out
     reader = wds.Ledger(path, run="check")
     assert consumed_pairs(reader.consumed(0, {"a": 5, "b": 5})) == {(urls[0], o) for o in range(4)}
+
+
+def test_ledger_cli_counts_only_what_every_rank_committed(tmp_path, urls, capsys) -> None:
+    """Ranks that end an epoch on their own steps (63 and 62) leave two half-written final checkpoints:
+    the committed truth is step 60, where both ranks committed; by default the commands count that, and
+    a checkpoint of step 63 (which rank 1 never wrote) is refused."""
+    import json
+
+    path = str(tmp_path / "l")
+    ranks = [wds.Ledger(path, run="a", rank=rank, world_size=2) for rank in range(2)]
+    for rank, ledger in enumerate(ranks):
+        ledger.record({"__url__": [urls[rank]] * 3, "__ordinal__": [0, 1, 2]}, epoch=0)
+        ledger.commit(step=60)
+    ranks[0].record({"__url__": [urls[0]] * 2, "__ordinal__": [3, 4]}, epoch=0)
+    uncommitted = ranks[0].commit(step=63)
+    ranks[1].record({"__url__": [urls[1]], "__ordinal__": [3]}, epoch=0)
+    ranks[1].commit(step=62)
+
+    assert _ledger_cli("show", path) == 0
+    shown = capsys.readouterr().out
+    assert "newest step every rank of a run committed: run a, step 60" in shown
+    assert "epoch 0: 6 samples consumed" in shown
+    assert _ledger_cli("show", path, "--all-commits") == 0
+    assert "epoch 0: 9 samples consumed" in capsys.readouterr().out
+    assert _ledger_cli("export", path) == 0
+    exported = json.loads(capsys.readouterr().out)
+    assert exported["epochs"]["0"][urls[0]]["ranges"] == [[0, 3]]
+
+    checkpoint = tmp_path / "rank-0-step-63.json"
+    checkpoint.write_text(json.dumps({"step": 63, "data": {"ledger": uncommitted}}))
+    assert _ledger_cli("show", path, "--checkpoint", str(checkpoint)) == 1
+    err = capsys.readouterr().err
+    assert "step 63 of run a, which not every rank committed (ranks [1]" in err and "never committed" in err
 
 
 def test_ledger_show_reports_unreadable_files(tmp_path, capsys) -> None:

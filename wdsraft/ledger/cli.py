@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 from collections import defaultdict
 from collections.abc import Sequence
@@ -16,7 +17,9 @@ from wdsraft.index.shard_index import ShardIndex
 from wdsraft.io.storage import local_path, remove
 from wdsraft.ledger.consumed import ConsumedSet
 from wdsraft.ledger.ledger import Ledger
-from wdsraft.ledger.rank_file import SUFFIX, RankFile, counted
+from wdsraft.ledger.rank_file import SUFFIX, RankFile, committed_watermark, complete_steps, counted
+
+logger = logging.getLogger(__name__)
 
 
 def add_ledger_commands(commands: Any, parents: Sequence[argparse.ArgumentParser] = ()) -> None:
@@ -29,7 +32,9 @@ def add_ledger_commands(commands: Any, parents: Sequence[argparse.ArgumentParser
         description=(
             "A ledger records, per epoch, the samples a training consumed, across SLURM runs. The commands "
             "read it under a watermark: the commits a checkpoint builds on (--checkpoint FILE, or --lineage "
-            "RUN=COMMIT,...); without one, every commit counts."
+            "RUN=COMMIT,...); without one, the newest step that every rank of a run committed (the committed "
+            "truth: commits of a checkpoint that not every rank wrote do not count); --all-commits counts every "
+            "commit."
         ),
     )
     actions = ledger.add_subparsers(dest="ledger_command", required=True, metavar="ACTION")
@@ -43,6 +48,11 @@ def add_ledger_commands(commands: Any, parents: Sequence[argparse.ArgumentParser
             help="the watermark as RUN=COMMIT[@STEP][,...]: with the step (`ledger show` prints each run's last "
             "step), every rank's commits up to that step count, as with --checkpoint; without it, each rank's "
             "commits up to that commit number",
+        )
+        parser.add_argument(
+            "--all-commits",
+            action="store_true",
+            help="count every commit of every run, also those no committed checkpoint builds on",
         )
 
     show = actions.add_parser(
@@ -155,12 +165,34 @@ def _watermark(args: argparse.Namespace, files: list[RankFile]) -> Watermark:
         return args.lineage
     if args.checkpoint:
         found = _watermark_from_checkpoint(args.checkpoint)
+        _refuse_uncommitted(args.checkpoint, found, files)
         return found["lineage"], found.get("steps") or {}
-    lineage: dict[str, int] = {}
-    for rank_file in files:
-        for commit in rank_file.commits:
-            lineage[rank_file.run] = max(lineage.get(rank_file.run, 0), commit["commit"])
-    return lineage, {}
+    if args.all_commits:
+        lineage: dict[str, int] = {}
+        for rank_file in files:
+            for commit in rank_file.commits:
+                lineage[rank_file.run] = max(lineage.get(rank_file.run, 0), commit["commit"])
+        return lineage, {}
+    committed, steps, how = committed_watermark(files)
+    if files:
+        logger.info("watermark: %s (--all-commits counts every commit)", how)
+    return committed, steps
+
+
+def _refuse_uncommitted(path: str, watermark: dict[str, Any], files: list[RankFile]) -> None:
+    """A checkpoint whose own step not every rank of its run committed was never a committed checkpoint
+    (a rank died before writing it): reading the ledger under it would count what no resume counts."""
+    complete = complete_steps(files)
+    for run, step in (watermark.get("steps") or {}).items():
+        if step is None or run not in complete or step in complete[run]:
+            continue
+        missing = sorted(f.rank for f in files if f.run == run and not any(c.get("step") == step for c in f.commits))
+        raise LedgerError(
+            path,
+            f"its watermark names step {step} of run {run}, which not every rank committed (ranks "
+            f"{missing or 'absent'} have no commit there): this checkpoint was never committed; give a committed "
+            "checkpoint, or --all-commits to count every commit",
+        )
 
 
 def _watermark_from_checkpoint(path: str) -> dict[str, Any]:
@@ -242,6 +274,8 @@ def cmd_show(args: argparse.Namespace) -> int:
     if not files:
         print(f"{args.path}: no ledger files")
         return 1
+    if not (args.lineage or args.checkpoint or args.all_commits):
+        print(f"watermark: {committed_watermark(files)[2]} (--all-commits counts every commit)")
     print("runs:")
     runs: dict[str, list[RankFile]] = defaultdict(list)
     for rank_file in files:

@@ -143,3 +143,49 @@ def counted(
     if step is not None and commit.get("step") is not None:
         return bool(commit["step"] <= step)
     return bool(commit["commit"] <= lineage[run])
+
+
+def complete_steps(files: list[RankFile]) -> dict[str, dict[int, tuple[int, float]]]:
+    """Per run, the steps at which every rank of the run committed, each with the highest commit number
+    of the ranks there and the time of the last of those commits. A checkpoint is committed only once
+    every rank wrote it, after committing the ledger: a step that some rank never reached is no
+    checkpoint anyone can resume from. Commits without a step are keyed by minus their commit number."""
+    by_run: dict[str, list[RankFile]] = {}
+    for rank_file in files:
+        by_run.setdefault(rank_file.run, []).append(rank_file)
+    complete: dict[str, dict[int, tuple[int, float]]] = {}
+    for run, rank_files in by_run.items():
+        if len({f.rank for f in rank_files}) < rank_files[0].world_size:
+            continue  # a rank that never committed: no step of this run is complete
+        marks: list[dict[int, tuple[int, float]]] = []
+        for rank_file in rank_files:
+            per_rank: dict[int, tuple[int, float]] = {}
+            for commit in rank_file.commits:
+                mark = commit["step"] if commit.get("step") is not None else -commit["commit"]
+                per_rank[mark] = (commit["commit"], float(commit.get("time") or 0.0))
+            marks.append(per_rank)
+        shared = set(marks[0]).intersection(*marks[1:])
+        complete[run] = {mark: (max(m[mark][0] for m in marks), max(m[mark][1] for m in marks)) for mark in shared}
+    return complete
+
+
+def committed_watermark(files: list[RankFile]) -> tuple[dict[str, int], dict[str, int | None], str]:
+    """The watermark of the newest step every rank of a run committed (what a checkpoint there builds on):
+    (run -> commit, run -> step, a description). Empty where no run has such a step."""
+    best: tuple[float, int, str, int] | None = None
+    for run, marks in complete_steps(files).items():
+        for mark, (commit, when) in marks.items():
+            if best is None or (when, mark) > best[:2]:
+                best = (when, mark, run, commit)
+    if best is None:
+        return {}, {}, "no step that every rank of a run committed"
+    _, mark, run, commit = best
+    lineage: dict[str, int] = {}
+    steps: dict[str, int | None] = {}
+    for rank_file in files:  # (the ranks of a run resume from one checkpoint: their parents agree)
+        if rank_file.run == run:
+            lineage.update(rank_file.parent)
+            steps.update(rank_file.parent_steps)
+    lineage[run], steps[run] = commit, (mark if mark >= 0 else None)
+    where = f"step {mark}" if mark >= 0 else f"commit {commit}"
+    return lineage, steps, f"the newest step every rank of a run committed: run {run}, {where}"
