@@ -3,8 +3,15 @@ and webdataset's own README examples running unchanged with ``import wdsraft as 
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -288,3 +295,59 @@ def test_state_after_an_epochs_last_batch_resumes_the_next_epoch(urls, persisten
     stream, states = states_along(lambda: make(per_epoch + per_epoch // 2))
     for k in (0, per_epoch - 1, per_epoch, per_epoch + 1, len(stream) - 1):
         assert resume(lambda: make(per_epoch + per_epoch // 2), states[k], seed=k) == stream[k:], k
+
+
+_RANK_WITH_WORKERS = """
+import os, sys, time
+import wdsraft as wds
+
+def padded(sample):  # batches of about 1 MB: a few of them fill a worker's result pipe
+    return {**sample, "padding": b"x" * (1 << 19)}
+
+urls = sys.argv[1:]
+dataset = wds.WebDataset(urls, shardshuffle=False).map(padded).batched(2)
+loader = wds.WebLoader(dataset, batch_size=None, num_workers=2, prefetch_factor=8)
+iterator = iter(loader)
+next(iterator)
+print("ready", flush=True)
+time.sleep(600)  # the prefetch queue and the pipes fill while the rank sits here, until it is killed
+"""
+
+
+def _children(parent: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == parent:
+                found.append(int(stat.parent.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(") ")[-1][0] != "Z"  # (a zombie waiting for init counts as gone)
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_workers_die_with_a_rank_killed_by_sigkill(urls) -> None:
+    rank = subprocess.Popen([sys.executable, "-c", _RANK_WITH_WORKERS, *urls], stdout=subprocess.PIPE, text=True)
+    try:
+        assert rank.stdout.readline().strip() == "ready"  # type: ignore[union-attr]
+        workers = _children(rank.pid)
+        assert len(workers) == 2 and all(_alive(pid) for pid in workers)
+        time.sleep(1)  # (workers fill the queue: they block writing their result pipe)
+        rank.kill()
+        rank.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(pid) for pid in workers), "a DataLoader worker outlived its SIGKILLed rank"
+    finally:
+        rank.kill()
+        for pid in locals().get("workers", []):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

@@ -24,7 +24,7 @@ from webdataset.handlers import reraise_exception
 from wdsraft import filters, llm
 from wdsraft.core.state import describe
 from wdsraft.pipeline.datapipeline import DataPipeline
-from wdsraft.pipeline.loader import LoaderSource, convert_batch
+from wdsraft.pipeline.loader import DieWithParent, LoaderSource, convert_batch
 from wdsraft.pipeline.shardlists import ResampledShards, SimpleShardList, single_node_only, split_by_worker
 from wdsraft.pipeline.source import TarfileToSamples
 
@@ -205,6 +205,9 @@ class FluidWrapper(DataPipeline, FluidInterface):
         self.append(initial)
 
 
+_WORKER_INIT_FN_POSITION = list(inspect.signature(StatefulDataLoader).parameters).index("worker_init_fn")
+
+
 class WebLoader(DataPipeline, FluidInterface):
     """webdataset's ``WebLoader``, on torchdata's ``StatefulDataLoader``.
 
@@ -225,6 +228,12 @@ class WebLoader(DataPipeline, FluidInterface):
         given = inspect.signature(StatefulDataLoader).bind(*args, **kw).arguments
         if "batch_size" in given and given["batch_size"] is None and given.get("collate_fn") is None:
             kw["collate_fn"] = convert_batch
+        if given.get("num_workers", 0) > 0:  # workers die with the rank, even one killed by SIGKILL
+            wrapped = DieWithParent(given.get("worker_init_fn"))
+            if len(args) > _WORKER_INIT_FN_POSITION:
+                args = (*args[:_WORKER_INIT_FN_POSITION], wrapped, *args[_WORKER_INIT_FN_POSITION + 1 :])
+            else:
+                kw["worker_init_fn"] = wrapped
         if "snapshot_every_n_steps" not in given:
             kw["snapshot_every_n_steps"] = self.snapshot_interval(
                 given.get("num_workers", 0),

@@ -4,6 +4,11 @@ batches the dataset already formed, with a hook for formats that cross from work
 
 from __future__ import annotations
 
+import ctypes
+import logging
+import os
+import signal
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -13,6 +18,8 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from wdsraft.core.state import describe
 from wdsraft.pipeline.addresses import Address
 from wdsraft.pipeline.stage import Context, SourceStage, Stage
+
+logger = logging.getLogger(__name__)
 
 
 class LoaderSource(SourceStage):
@@ -138,3 +145,37 @@ def convert_batch(batch: Any) -> Any:
     if type(batch) is dict:
         return {k: v if isinstance(k, str) and k.startswith("__") else default_convert(v) for k, v in batch.items()}
     return default_convert(batch)
+
+
+class DieWithParent:
+    """A DataLoader ``worker_init_fn`` that makes the worker die with the training process, then calls
+    the user's own.
+
+    A rank killed by SIGKILL (the OOM killer, a node agent, ``kill -9``) cannot stop its workers, and
+    a worker blocked writing its result pipe, whose read end a sibling still holds, lives on for ever
+    with its share of memory. Linux's ``PR_SET_PDEATHSIG`` has the kernel send it SIGKILL instead when
+    its parent dies. (The signal follows the thread that forked the worker: DataLoader starts workers
+    from the thread that iterates it, the training loop's.) Elsewhere than Linux, nothing changes.
+    """
+
+    def __init__(self, worker_init_fn: Callable[[int], Any] | None = None):
+        self.worker_init_fn = worker_init_fn
+
+    def __call__(self, worker_id: int) -> None:
+        _die_with_parent()
+        if self.worker_init_fn is not None:
+            self.worker_init_fn(worker_id)
+
+
+def _die_with_parent() -> None:
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        logger.warning("DataLoader worker: prctl(PR_SET_PDEATHSIG) failed (errno %d)", ctypes.get_errno())
+        return
+    if os.getppid() == 1:  # the parent died before the call: the kernel will not tell us any more
+        os._exit(1)
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
