@@ -10,9 +10,11 @@
 
 from __future__ import annotations
 
+import random
 import re
 
 import pytest
+import webdataset
 
 import wdsraft as wds
 from wdsraft.testing import identity, resume, states_along
@@ -152,3 +154,23 @@ def test_a_loader_state_in_another_worker_count_names_it(urls) -> None:
         other.load_state_dict(state)
         list(other)
     assert re.search(r"stages\.\d+\.num_workers: saved 2, now 1\)", str(caught.value)), str(caught.value)
+
+
+def test_rsample_takes_states_but_refuses_to_resume_from_them(urls) -> None:
+    """rsample keeps items by draws from the global random generator, as webdataset's does (same stream for
+    the same global seed); no restore can replay them, so loading a state taken with it is refused rather
+    than resuming a different stream (taking the state works, so plain training is never stopped)."""
+    random.seed(3)
+    ours = [s["__key__"] for s in wds.WebDataset(urls, shardshuffle=False).rsample(0.3)]
+    random.seed(3)
+    theirs = [s["__key__"] for s in webdataset.WebDataset(urls, shardshuffle=False).rsample(0.3)]
+    assert ours == theirs and ours
+
+    dataset = wds.WebDataset(urls, shardshuffle=False).rsample(0.5)
+    iterator = iter(dataset)
+    next(iterator)
+    state = dataset.state_dict()
+    fresh = wds.WebDataset(urls, shardshuffle=False).rsample(0.5)
+    fresh.load_state_dict(state)
+    with pytest.raises(wds.StateMismatchError, match=r"cannot resume stage \d+ \(rsample\)"):
+        next(iter(fresh))

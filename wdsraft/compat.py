@@ -52,6 +52,9 @@ class FluidInterface(WebdatasetFluidInterface):
     def slice(self, *args: int | None) -> Any:
         return self.compose(filters.slice(*args))
 
+    def rsample(self, p: float = 0.5) -> Any:
+        return self.compose(filters.rsample(p))
+
     # -- LLM stages (epochraft's names) --
 
     def tokenize(

@@ -27,7 +27,6 @@ from webdataset.filters import (
     rename,
     rename_keys,
     reraise_exception,
-    rsample,
     select,
     to_tuple,
     transform_with,
@@ -37,7 +36,7 @@ from webdataset.filters import (
 
 from wdsraft.pipeline.batch import batched, unbatched, unlisted
 from wdsraft.pipeline.shuffle import detshuffle, shuffle
-from wdsraft.pipeline.slice import check_empty, slice
+from wdsraft.pipeline.slice import check_empty, rsample, slice
 
 __all__ = [
     "Cached",

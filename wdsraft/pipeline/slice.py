@@ -1,11 +1,13 @@
-"""``slice`` and ``check_empty``, checkpointable: their state is a count."""
+"""``slice`` and ``check_empty``, checkpointable: their state is a count; ``rsample``, which refuses to resume."""
 
 from __future__ import annotations
 
 import builtins
+import random
 from collections.abc import Iterator
 from typing import Any
 
+from wdsraft.core.errors import StateMismatchError
 from wdsraft.pipeline.stage import Context, Stage
 
 
@@ -70,3 +72,31 @@ class check_empty(Stage):
                 "No samples found in dataset; perhaps you have fewer shards than workers.\n"
                 "Turn off using empty_check=False in the WebDataset constructor."
             )
+
+
+class rsample(Stage):
+    """Keep each item with probability ``p``, drawing from the global ``random`` as webdataset does.
+
+    The draws cannot be replayed, so a state taken with this stage in the pipeline is refused when
+    it is loaded, with a message saying why (taking the state itself works: training that never
+    resumes is not stopped at every snapshot of a DataLoader's workers).
+    """
+
+    def __init__(self, p: float = 0.5):
+        self.p = p
+
+    def config(self) -> dict[str, Any]:
+        return {"p": self.p}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"resumable": False}
+
+    def run(self, ctx: Context, src: Iterator[Any] | None, state: dict[str, Any] | None) -> Iterator[Any]:
+        assert src is not None
+        if state is not None and state.get("resumable") is False:
+            raise StateMismatchError(
+                f"cannot resume stage {self.index} (rsample): it keeps items by draws from the global random "
+                "generator, which a restore cannot replay; select items by a hash of their key instead (a "
+                "deterministic select), or restart the epoch"
+            )
+        return (item for item in src if random.uniform(0, 1) < self.p)
