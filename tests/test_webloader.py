@@ -4,6 +4,7 @@ and webdataset's own README examples running unchanged with ``import wdsraft as 
 from __future__ import annotations
 
 import contextlib
+import math
 import multiprocessing
 import os
 import signal
@@ -351,3 +352,24 @@ def test_workers_die_with_a_rank_killed_by_sigkill(urls) -> None:
         for pid in locals().get("workers", []):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_training_process_buffer_restores_from_a_few_batches_back_whatever_the_depth(tmp_path) -> None:
+    """``.unbatched().shuffle(b)`` after a WebLoader saves the loader's state from just before the oldest
+    batch its buffer still holds items of, and re-fetches from there: the batches to re-run follow the
+    buffer (the oldest of ``b`` items is typically ``b ln b`` picks old; measured here: about 30 batches
+    of 4 for ``b = 32``, at most 84), not the depth (500 batches at the end)."""
+    with wds.ShardWriter(str(tmp_path / "s-%02d.tar"), maxcount=500, verbose=0) as sink:
+        for number in range(2000):
+            sink.write({"__key__": f"{number:05d}", "txt": str(number)})
+    urls = sorted(str(p) for p in tmp_path.glob("s-*.tar"))
+    buffer, inner = 32, 4
+    dataset = wds.WebDataset(urls, shardshuffle=False).batched(inner)
+    loader = wds.WebLoader(dataset, batch_size=None).unbatched().shuffle(buffer, seed=1).batched(8)
+    replays = []
+    for _ in loader:
+        replays.append(loader.state_dict()["stages"]["0"]["replay"])
+    assert len(replays) == 250  # 500 inner batches deep at the end
+    bound = 4 * int(buffer * math.log(buffer)) // inner  # (111 batches: four times the typical oldest)
+    assert max(replays) <= bound, (max(replays), bound)
+    assert sorted(replays)[len(replays) // 2] >= 1  # (the buffer holds items: something to re-run)
