@@ -91,6 +91,161 @@ MUTATIONS: tuple[Mutation, ...] = (
         'raise IndexFormatError(url, "the index is not used")',
         ("tests/test_resume_cost.py::test_an_elastic_resume_opens_no_consumed_shard_and_reads_nothing_consumed",),
     ),
+    Mutation(
+        "tar-chain-start-offset",
+        "a sample whose name needs a PAX or GNU long-name header is placed at its real header, after the "
+        "extended one: seeking or resuming there reads it under its truncated ustar name",
+        "chain_start = self._chain_start if self._chain_start is not None else offset",
+        "chain_start = offset",
+        ("tests/test_seek.py::test_seek_to_every_sample_local",),
+    ),
+    Mutation(
+        "tar-gnu-longname-nul",
+        "a GNU long name keeps its terminating NUL: samples of shards written in GNU format get keys "
+        "webdataset does not give them",
+        "self._pending_name = _decode_name(_cstring(data))",
+        "self._pending_name = _decode_name(data)",
+        (
+            "tests/test_compat.py::test_explicit_formats_read_by_both[GNU_FORMAT]",
+            "tests/test_compat.py::test_archives_made_by_gnu_tar[gnu]",
+        ),
+    ),
+    Mutation(
+        "index-end-entry",
+        "a built index ends at the bytes read so far instead of where the last sample ends: the last "
+        "sample's span is wrong and the index disagrees with the writer's",
+        "offsets.append(reader.next_offset)",
+        "offsets.append(hashing.count)",
+        ("tests/test_index.py::test_writer_index_equals_built_index",),
+    ),
+    Mutation(
+        "writer-index-merged-keys",
+        "the writer's index starts a new sample at every write, even where readers merge it into the "
+        "previous one (same key, keys with dots): sample counts and seeks are off",
+        "if reader_key is None or reader_key == self._last_key:",
+        "if reader_key is None:",
+        ("tests/test_index.py::test_writer_index_follows_what_readers_see",),
+    ),
+    Mutation(
+        "shuffle-stale-addresses",
+        "the shuffle buffer's saved addresses are not kept in step with its items: a resumed shuffle "
+        "hands out other samples than the uninterrupted run",
+        "buf[k], addresses[k] = buf[-1], addresses[-1]",
+        "buf[k] = buf[-1]",
+        ("tests/test_pipeline.py::test_restore_at_every_step",),
+    ),
+    Mutation(
+        "shuffle-rng-not-restored",
+        "a resumed shuffle restarts its RNG from the seed instead of the saved RNG state: the order after "
+        "a resume differs",
+        'unpack_rng(state["rng"]) if state is not None and state.get("rng") is not None else self._epoch_rng(ctx)',
+        "self._epoch_rng(ctx)",
+        ("tests/test_pipeline.py::test_restore_at_every_step",),
+    ),
+    Mutation(
+        "batched-clears-after-yield",
+        "batched forgets a full batch only after it was handed out: a state taken right after a batch "
+        "saves it as a partial batch, and a resume delivers its samples again",
+        "                batch.clear()  # before handing it out: a checkpoint taken now holds no partial batch\n"
+        "                addresses.clear()\n"
+        "                yield out\n",
+        "                yield out\n                batch.clear()\n                addresses.clear()\n",
+        ("tests/test_pipeline.py::test_restore_at_every_step",),
+    ),
+    Mutation(
+        "unbatched-next-repeats",
+        "unbatched saves the position of the item it just handed out, not the next: a resume in the "
+        "middle of a batch delivers that item twice",
+        "self._next = position + 1",
+        "self._next = position",
+        (
+            "tests/test_readme_claims.py::test_unbatched_after_a_webloader_resumes_in_the_middle_of_a_batch",
+            "tests/test_readme_claims.py::test_unbatched_between_inner_batches_saves_and_resumes",
+        ),
+    ),
+    Mutation(
+        "ledger-merge-keeps-partial",
+        "merging ledger commits keeps a document as partly delivered after a later commit delivered it "
+        "whole: `wdsraft ledger show` reports it as partly delivered",
+        "for touched in other.samples.keys() | other.tokens.keys():",
+        "for touched in other.tokens.keys():",
+        ("tests/test_ledger.py::test_ledger_cli_counts_a_document_finished_later_as_whole_and_checks_lineages",),
+    ),
+    Mutation(
+        "ledger-merge-replaces",
+        "merging ledger commits replaces a shard's consumed samples instead of adding to them: an elastic "
+        "resume delivers samples consumed in earlier commits again",
+        "        for shard, ordinals in other.samples.items():\n"
+        "            self.samples.setdefault(shard, BitMap()).update(ordinals)\n",
+        "        for shard, ordinals in other.samples.items():\n            self.samples[shard] = BitMap(ordinals)\n",
+        ("tests/test_ledger.py::test_commits_lineage_and_rewind",),
+    ),
+    Mutation(
+        "ledger-counted-by-commit",
+        "other ranks' commits count by commit number, not by step: a rank that committed twice at one step "
+        "makes a checkpoint count samples another rank consumed later, which are then lost",
+        '    if step is not None and commit.get("step") is not None:\n        return bool(commit["step"] <= step)\n',
+        "",
+        ("tests/test_ledger.py::test_watermarks_count_other_ranks_by_step_not_by_commit_number",),
+    ),
+    Mutation(
+        "ledger-watermark-no-step",
+        "a watermark leaves out the step of the run's own last commit: its checkpoints count other ranks' "
+        "commits by number",
+        "lineage[self.run], steps[self.run] = self.commit_number, self.last_step",
+        "lineage[self.run] = self.commit_number",
+        ("tests/test_ledger.py::test_watermarks_count_other_ranks_by_step_not_by_commit_number",),
+    ),
+    Mutation(
+        "convert-line-not-mixed",
+        "the converter's shuffle key ignores the line number within a read batch: lines read together keep "
+        "their input order in the output",
+        "np.arange(first_line, first_line + count, dtype=np.uint64)",
+        "np.full(count, first_line, dtype=np.uint64)",
+        ("tests/test_convert.py::test_shuffle_spreads_each_input_over_shards_and_positions",),
+    ),
+    Mutation(
+        "convert-input-not-mixed",
+        "the converter's shuffle key ignores the input's name: inputs of equal length are shuffled in "
+        "lockstep, line n of each landing side by side",
+        'f"{seed}\\0{input_name}".encode()',
+        'f"{seed}".encode()',
+        ("tests/test_convert.py::test_shuffle_spreads_each_input_over_shards_and_positions",),
+    ),
+    Mutation(
+        "concat-chunk-leftover-span",
+        "concat_chunk remembers the leftover of a cut document from the start of its piece: a resume "
+        "re-reads tokens already delivered",
+        "rest = [(tokens[count:], address, start + count, end, total, position), *pieces[i + 1 :]]",
+        "rest = [(tokens[count:], address, start, end, total, position), *pieces[i + 1 :]]",
+        ("tests/test_llm.py::test_restore_at_every_step",),
+    ),
+    Mutation(
+        "bestfit-remainder-span",
+        "pack_bestfit records the remainder of a long document as starting at the document's start: its "
+        "provenance is wrong and a resume re-reads the wrong tokens",
+        "self._held.append((tokens[full * n :], address, base + full * n, end, end, position))",
+        "self._held.append((tokens[full * n :], address, base, end, end, position))",
+        (
+            "tests/test_llm.py::test_no_token_lost_or_duplicated[pack_bestfit]",
+            "tests/test_llm.py::test_restore_at_every_step[pack_bestfit]",
+        ),
+    ),
+    Mutation(
+        "token-start-not-carried",
+        "a document continued after an elastic resume counts its tokens from 0 again: the ledger records "
+        "the wrong token range and the next resume repeats tokens",
+        "return (tokens[start:], start) if start else (tokens, 0)",
+        "return (tokens[start:], 0) if start else (tokens, 0)",
+        ("tests/test_ledger_tokens.py",),
+    ),
+    Mutation(
+        "state-mismatch-unnamed",
+        "loading a state into a changed pipeline says only that the configuration differs, not which field",
+        'detail = "; ".join(changed[:6]) or "configuration differs"',
+        'detail = "configuration differs"',
+        ("tests/test_readme_claims.py::test_a_state_loaded_into_another_configuration_names_what_differs",),
+    ),
 )
 
 
