@@ -18,6 +18,7 @@ Progress goes to stderr, the final table to stdout.
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -287,7 +288,9 @@ def locate(mutation: Mutation, root: Path) -> Path:
         count = path.read_text(encoding="utf-8").count(mutation.old)
         hits += [path.relative_to(root)] * count
     if len(hits) != 1:
-        where = ", ".join(str(p) for p in hits) if hits else "nowhere"
+        counts = collections.Counter(str(p) for p in hits)
+        where = ", ".join(f"{p} x{n}" if n > 1 else p for p, n in list(counts.items())[:4]) or "nowhere"
+        where += ", ..." if len(counts) > 4 else ""
         raise CanaryError(f"old text found {len(hits)} times under {PACKAGE}/ ({where}), not exactly once")
     return hits[0]
 
@@ -487,8 +490,14 @@ def _report(outcome: Outcome, verbose: bool) -> None:
         line += f": {outcome.detail[:300]}"
     log(line)
     if outcome.output and (verbose or not outcome.ok):
-        tail = "\n".join(outcome.output.rstrip().splitlines()[-40:])
+        tail = "\n".join(_shortened(line) for line in outcome.output.rstrip().splitlines()[-40:])
         print(tail, file=sys.stderr, flush=True)
+
+
+def _shortened(line: str) -> str:
+    if set(line) <= set("_=!- "):  # pytest's rules, drawn as wide as the COLUMNS it was given
+        return line[:100]
+    return line if len(line) <= 240 else line[:240] + " ..."
 
 
 def baseline_groups(mutations: Sequence[Mutation], jobs: int) -> list[list[str]]:
@@ -555,7 +564,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--only", metavar="ID[,ID...]", help="run only these mutations (comma-separated ids)")
     parser.add_argument("--jobs", type=int, default=2, help="pytest processes at once (default: %(default)s)")
     parser.add_argument(
-        "--timeout", type=float, default=240.0, help="seconds a pytest run may take (default: %(default)s)"
+        "--timeout", type=float, default=120.0, help="seconds a pytest run may take (default: %(default)s)"
     )
     parser.add_argument("--keep", action="store_true", help="keep the temporary copies (their path is logged)")
     parser.add_argument("--verbose", action="store_true", help="log the tail of every pytest run, not just failures")
