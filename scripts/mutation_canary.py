@@ -339,6 +339,7 @@ class Outcome:
 
 _running: dict[int, subprocess.Popen] = {}
 _running_lock = threading.Lock()
+_stopping = threading.Event()  # set on Ctrl-C: a pytest started after that is ended at once
 
 
 def run_pytest(copy: Path, targets: Sequence[str], timeout: float) -> tuple[int | None, str, float]:
@@ -377,6 +378,8 @@ def run_pytest(copy: Path, targets: Sequence[str], timeout: float) -> tuple[int 
     )
     with _running_lock:
         _running[process.pid] = process
+        if _stopping.is_set():
+            _kill_group(process)
     try:
         output, _ = process.communicate(timeout=timeout)
         code: int | None = process.returncode
@@ -483,6 +486,8 @@ def run_mutation(mutation: Mutation, workdir: Path, timeout: float, verbose: boo
 
 
 def _report(outcome: Outcome, verbose: bool) -> None:
+    if _stopping.is_set():
+        return  # (interrupted: runs ended by Ctrl-C say nothing about the tests)
     line = f"{outcome.name}: {outcome.verdict} ({outcome.seconds:.1f} s)"
     if outcome.caught_by:
         line += f" by {', '.join(outcome.caught_by)}"
@@ -560,7 +565,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             "compile). Every verdict but caught fails the run."
         ),
     )
-    parser.add_argument("--list", action="store_true", help="list the mutations and their target tests, then exit")
+    parser.add_argument(
+        "--list", action="store_true", help="list the mutations, the file each applies to and their tests, then exit"
+    )
     parser.add_argument("--only", metavar="ID[,ID...]", help="run only these mutations (comma-separated ids)")
     parser.add_argument("--jobs", type=int, default=2, help="pytest processes at once (default: %(default)s)")
     parser.add_argument(
@@ -588,21 +595,23 @@ def select(only: str | None) -> list[Mutation]:
     return [m for m in MUTATIONS if m.id in wanted]
 
 
-def list_mutations(mutations: Sequence[Mutation]) -> None:
+def list_mutations(mutations: Sequence[Mutation]) -> int:
+    """Print the mutations; 1 if one of them cannot be applied as written."""
+    status = 0
     for mutation in mutations:
         try:
             where = str(locate(mutation, REPO))
         except CanaryError as exn:
-            where = f"CANARY ERROR: {exn}"
+            where, status = f"CANARY ERROR: {exn}", 1
         print(f"{mutation.id}\n    {mutation.what}\n    in: {where}\n    tests: {' '.join(mutation.tests)}")
+    return status
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     mutations = select(args.only)
     if args.list:
-        list_mutations(mutations)
-        return 0
+        return list_mutations(mutations)
     started = time.monotonic()
     workdir = Path(tempfile.mkdtemp(prefix="mutation-canary-"))
     log(f"{len(mutations)} mutations, {args.jobs} at a time, copies under {workdir}")
@@ -628,6 +637,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         pool.shutdown(wait=False, cancel_futures=True)
         with _running_lock:
+            _stopping.set()
             for process in list(_running.values()):
                 _kill_group(process)
         raise
