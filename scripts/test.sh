@@ -14,4 +14,11 @@ if [ "$status" -eq 5 ]; then  # pytest: no tests collected
   echo "pytest collected no tests" >&2
   exit 1
 fi
-exit "$status"
+if [ "$status" -ne 0 ]; then
+  exit "$status"
+fi
+# The whole suite passed: check that the tests still catch a curated list of deliberate bugs
+# (docs/development.md). A run with pytest arguments (a subset of the tests) stops here.
+if [ "$#" -eq 0 ]; then
+  python scripts/mutation_canary.py --jobs 2
+fi

@@ -287,6 +287,12 @@ def test_shuffle_spreads_each_input_over_shards_and_positions(tmp_path: Path) ->
     # the two inputs are interleaved, not one after the other
     runs = sum(1 for a, b in itertools.pairwise(origin) if a[0] != b[0])
     assert runs > 400
+    # each input is shuffled on its own: line n of one input lands nowhere near line n of the other
+    # (keys from the seed and the line alone would move both inputs' lines in lockstep)
+    where = {o: pos for pos, o in enumerate(origin)}
+    lines = range(1, sizes[0] + 1)
+    rho = np.corrcoef([where["f0", n] for n in lines], [where["f1", n] for n in lines])[0, 1]
+    assert abs(rho) < 0.15, rho
 
 
 # ---------------------------------------------------------------------------------------------
