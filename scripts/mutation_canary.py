@@ -66,7 +66,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         '                raise TarFormatError(url, offset, "bad header checksum (corrupt or not a tar archive)")\n'
         "            size = self._size(header, offset)\n",
         "            size = self._size(header, offset)\n",
-        ("tests/test_integrity_proofs.py",),
+        ("tests/tar/test_integrity_proofs.py",),
     ),
     Mutation(
         "ledger-tokens-last-wins",
@@ -74,7 +74,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "resume delivers its tokens again",
         "per_shard[ordinal] = max(per_shard.get(ordinal, 0), token_end)",
         "per_shard[ordinal] = token_end",
-        ("tests/test_ledger_tokens.py",),
+        ("tests/ledger/test_ledger_tokens.py",),
     ),
     Mutation(
         "local-seek-reads",
@@ -82,7 +82,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "resuming deep in a shard costs the whole prefix",
         "            raw.seek(offset)\n            return raw\n",
         "            raw.seek(0)\n            discard(raw, offset, url)\n            return raw\n",
-        ("tests/test_resume_cost.py::test_starting_at_an_offset_reads_the_same_whatever_the_offset",),
+        ("tests/pipeline/test_resume_cost.py::test_starting_at_an_offset_reads_the_same_whatever_the_offset",),
     ),
     Mutation(
         "elastic-ignores-index",
@@ -90,7 +90,9 @@ MUTATIONS: tuple[Mutation, ...] = (
         "only after reading them",
         "offsets = ShardIndex.load(url).offsets",
         'raise IndexFormatError(url, "the index is not used")',
-        ("tests/test_resume_cost.py::test_an_elastic_resume_opens_no_consumed_shard_and_reads_nothing_consumed",),
+        (
+            "tests/pipeline/test_resume_cost.py::test_an_elastic_resume_opens_no_consumed_shard_and_reads_nothing_consumed",
+        ),
     ),
     Mutation(
         "tar-chain-start-offset",
@@ -98,7 +100,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "extended one: seeking or resuming there reads it under its truncated ustar name",
         "chain_start = self._chain_start if self._chain_start is not None else offset",
         "chain_start = offset",
-        ("tests/test_seek.py::test_seek_to_every_sample_local",),
+        ("tests/tar/test_seek.py::test_seek_to_every_sample_local",),
     ),
     Mutation(
         "tar-gnu-longname-nul",
@@ -107,8 +109,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "self._pending_name = _decode_name(_cstring(data))",
         "self._pending_name = _decode_name(data)",
         (
-            "tests/test_compat.py::test_explicit_formats_read_by_both[GNU_FORMAT]",
-            "tests/test_compat.py::test_archives_made_by_gnu_tar[gnu]",
+            "tests/tar/test_compat.py::test_explicit_formats_read_by_both[GNU_FORMAT]",
+            "tests/tar/test_compat.py::test_archives_made_by_gnu_tar[gnu]",
         ),
     ),
     Mutation(
@@ -117,7 +119,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "sample's span is wrong and the index disagrees with the writer's",
         "offsets.append(reader.next_offset)",
         "offsets.append(hashing.count)",
-        ("tests/test_index.py::test_writer_index_equals_built_index",),
+        ("tests/index/test_index.py::test_writer_index_equals_built_index",),
     ),
     Mutation(
         "writer-index-merged-keys",
@@ -125,7 +127,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "previous one (same key, keys with dots): sample counts and seeks are off",
         "if reader_key is None or reader_key == self._last_key:",
         "if reader_key is None:",
-        ("tests/test_index.py::test_writer_index_follows_what_readers_see",),
+        ("tests/index/test_index.py::test_writer_index_follows_what_readers_see",),
     ),
     Mutation(
         "shuffle-stale-addresses",
@@ -133,7 +135,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "hands out other samples than the uninterrupted run",
         "buf[k], addresses[k] = buf[-1], addresses[-1]",
         "buf[k] = buf[-1]",
-        ("tests/test_pipeline.py::test_restore_at_every_step",),
+        ("tests/pipeline/test_pipeline.py::test_restore_at_every_step",),
     ),
     Mutation(
         "shuffle-rng-not-restored",
@@ -141,7 +143,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a resume differs",
         'unpack_rng(state["rng"]) if state is not None and state.get("rng") is not None else self._epoch_rng(ctx)',
         "self._epoch_rng(ctx)",
-        ("tests/test_pipeline.py::test_restore_at_every_step",),
+        ("tests/pipeline/test_pipeline.py::test_restore_at_every_step",),
     ),
     Mutation(
         "batched-clears-after-yield",
@@ -151,7 +153,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "                addresses.clear()\n"
         "                yield out\n",
         "                yield out\n                batch.clear()\n                addresses.clear()\n",
-        ("tests/test_pipeline.py::test_restore_at_every_step",),
+        ("tests/pipeline/test_pipeline.py::test_restore_at_every_step",),
     ),
     Mutation(
         "unbatched-next-repeats",
@@ -160,8 +162,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "self._next = position + 1",
         "self._next = position",
         (
-            "tests/test_readme_claims.py::test_unbatched_after_a_webloader_resumes_in_the_middle_of_a_batch",
-            "tests/test_readme_claims.py::test_unbatched_between_inner_batches_saves_and_resumes",
+            "tests/pipeline/test_readme_claims.py::test_unbatched_after_a_webloader_resumes_in_the_middle_of_a_batch",
+            "tests/pipeline/test_readme_claims.py::test_unbatched_between_inner_batches_saves_and_resumes",
         ),
     ),
     Mutation(
@@ -170,7 +172,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "whole: `wdsraft ledger show` reports it as partly delivered",
         "for touched in other.samples.keys() | other.tokens.keys():",
         "for touched in other.tokens.keys():",
-        ("tests/test_ledger.py::test_ledger_cli_counts_a_document_finished_later_as_whole_and_checks_lineages",),
+        ("tests/ledger/test_ledger.py::test_ledger_cli_counts_a_document_finished_later_as_whole_and_checks_lineages",),
     ),
     Mutation(
         "ledger-merge-replaces",
@@ -179,7 +181,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        for shard, ordinals in other.samples.items():\n"
         "            self.samples.setdefault(shard, BitMap()).update(ordinals)\n",
         "        for shard, ordinals in other.samples.items():\n            self.samples[shard] = BitMap(ordinals)\n",
-        ("tests/test_ledger.py::test_commits_lineage_and_rewind",),
+        ("tests/ledger/test_ledger.py::test_commits_lineage_and_rewind",),
     ),
     Mutation(
         "ledger-counted-by-commit",
@@ -187,7 +189,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "makes a checkpoint count samples another rank consumed later, which are then lost",
         '    if step is not None and commit.get("step") is not None:\n        return bool(commit["step"] <= step)\n',
         "",
-        ("tests/test_ledger.py::test_watermarks_count_other_ranks_by_step_not_by_commit_number",),
+        ("tests/ledger/test_ledger.py::test_watermarks_count_other_ranks_by_step_not_by_commit_number",),
     ),
     Mutation(
         "ledger-watermark-no-step",
@@ -195,7 +197,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "commits by number",
         "lineage[self.run], steps[self.run] = self.commit_number, self.last_step",
         "lineage[self.run] = self.commit_number",
-        ("tests/test_ledger.py::test_watermarks_count_other_ranks_by_step_not_by_commit_number",),
+        ("tests/ledger/test_ledger.py::test_watermarks_count_other_ranks_by_step_not_by_commit_number",),
     ),
     Mutation(
         "convert-line-not-mixed",
@@ -203,7 +205,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "their input order in the output",
         "np.arange(first_line, first_line + count, dtype=np.uint64)",
         "np.full(count, first_line, dtype=np.uint64)",
-        ("tests/test_convert.py::test_shuffle_spreads_each_input_over_shards_and_positions",),
+        ("tests/convert/test_convert.py::test_shuffle_spreads_each_input_over_shards_and_positions",),
     ),
     Mutation(
         "convert-input-not-mixed",
@@ -211,7 +213,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "lockstep, line n of each landing side by side",
         'f"{seed}\\0{input_name}".encode()',
         'f"{seed}".encode()',
-        ("tests/test_convert.py::test_shuffle_spreads_each_input_over_shards_and_positions",),
+        ("tests/convert/test_convert.py::test_shuffle_spreads_each_input_over_shards_and_positions",),
     ),
     Mutation(
         "concat-chunk-leftover-span",
@@ -219,7 +221,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "re-reads tokens already delivered",
         "rest = [(tokens[count:], address, start + count, end, total, position), *pieces[i + 1 :]]",
         "rest = [(tokens[count:], address, start, end, total, position), *pieces[i + 1 :]]",
-        ("tests/test_llm.py::test_restore_at_every_step",),
+        ("tests/llm/test_llm.py::test_restore_at_every_step",),
     ),
     Mutation(
         "bestfit-remainder-span",
@@ -228,8 +230,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "self._held.append((tokens[full * n :], address, base + full * n, end, end, position))",
         "self._held.append((tokens[full * n :], address, base, end, end, position))",
         (
-            "tests/test_llm.py::test_no_token_lost_or_duplicated[pack_bestfit]",
-            "tests/test_llm.py::test_restore_at_every_step[pack_bestfit]",
+            "tests/llm/test_llm.py::test_no_token_lost_or_duplicated[pack_bestfit]",
+            "tests/llm/test_llm.py::test_restore_at_every_step[pack_bestfit]",
         ),
     ),
     Mutation(
@@ -238,14 +240,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "the wrong token range and the next resume repeats tokens",
         "return (tokens[start:], start) if start else (tokens, 0)",
         "return (tokens[start:], 0) if start else (tokens, 0)",
-        ("tests/test_ledger_tokens.py",),
+        ("tests/ledger/test_ledger_tokens.py",),
     ),
     Mutation(
         "state-mismatch-unnamed",
         "loading a state into a changed pipeline says only that the configuration differs, not which field",
         'detail = "; ".join(changed[:6]) or "configuration differs"',
         'detail = "configuration differs"',
-        ("tests/test_readme_claims.py::test_a_state_loaded_into_another_configuration_names_what_differs",),
+        ("tests/pipeline/test_readme_claims.py::test_a_state_loaded_into_another_configuration_names_what_differs",),
     ),
 )
 

@@ -24,7 +24,7 @@ import wdsraft
 import wdsraft.io.storage
 from wdsraft.cli import main as cli_main
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _webdataset_shards(directory: Path, corpus_records, count: int = 130, per_shard: int = 40) -> list[str]:

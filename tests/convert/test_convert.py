@@ -436,7 +436,7 @@ def test_cli_convert(tmp_path: Path, corpus, capsys: pytest.CaptureFixture[str])
         capture_output=True,
         text=True,
         check=True,
-        cwd=Path(__file__).parents[1],
+        cwd=Path(__file__).parents[2],
     )
     assert "--samples-per-shard" in script.stdout and "SLURM" in script.stdout
 

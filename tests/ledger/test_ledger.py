@@ -21,7 +21,7 @@ from wdsraft.ledger.consumed import ConsumedSet, positions_of
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # webdataset's advice warnings
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SHARDS, PER_SHARD = 12, 10
 
 
