@@ -137,3 +137,19 @@ def http_root(tmp_path: Path) -> Iterator[tuple[Path, str]]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.fixture(scope="session")
+def write_shards(tmp_path_factory):
+    """Shards of numbered samples for a test module: ``write_shards(prefix, samples, per_shard)`` writes
+    ``PREFIX-NN.tar`` (``maxcount=per_shard``) with keys ``00000``, ``00001``... and returns their URLs."""
+    import wdsraft as wds
+
+    def write(prefix: str, samples: list[dict], per_shard: int, digits: int = 2) -> list[str]:
+        directory = tmp_path_factory.mktemp(prefix)
+        with wds.ShardWriter(str(directory / f"{prefix}-%0{digits}d.tar"), maxcount=per_shard, verbose=0) as sink:
+            for number, sample in enumerate(samples):
+                sink.write({"__key__": f"{number:05d}", **sample})
+        return sorted(str(p) for p in directory.glob(f"{prefix}-*.tar"))
+
+    return write

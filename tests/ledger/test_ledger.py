@@ -26,12 +26,9 @@ SHARDS, PER_SHARD = 12, 10
 
 
 @pytest.fixture(scope="module")
-def urls(tmp_path_factory, corpus_records) -> list[str]:
-    directory = tmp_path_factory.mktemp("ledger-data")
-    with wds.ShardWriter(str(directory / "d-%03d.tar"), maxcount=PER_SHARD, verbose=0) as sink:
-        for number, record in enumerate(corpus_records[: SHARDS * PER_SHARD]):
-            sink.write({"__key__": f"{number:05d}", "txt": record["text"][: 30 + (number * 53) % 900]})
-    return sorted(str(p) for p in directory.glob("d-*.tar"))
+def urls(write_shards, corpus_records) -> list[str]:
+    records = corpus_records[: SHARDS * PER_SHARD]
+    return write_shards("d", [{"txt": r["text"][: 30 + (n * 53) % 900]} for n, r in enumerate(records)], PER_SHARD, 3)
 
 
 def everything(urls) -> set[tuple[str, int]]:

@@ -66,13 +66,12 @@ def test_converted_hf_tokenizer_matches_tiktoken(urls, cl100k, hf_cl100k) -> Non
 
 
 @pytest.fixture(scope="module")
-def urls(tmp_path_factory, corpus_records) -> list[str]:
-    directory = tmp_path_factory.mktemp("llm")
-    with wds.ShardWriter(str(directory / "t-%02d.tar"), maxcount=9, verbose=0) as sink:
-        for number, record in enumerate(corpus_records[:45]):
-            text = record["text"][: 40 + (number * 37) % 700]  # lengths from a few tokens to several sequences
-            sink.write({"__key__": f"{number:05d}", "txt": text, "json": {"id": record["id"], "text": text}})
-    return sorted(str(p) for p in directory.glob("t-*.tar"))
+def urls(write_shards, corpus_records) -> list[str]:
+    samples = []
+    for number, record in enumerate(corpus_records[:45]):
+        text = record["text"][: 40 + (number * 37) % 700]  # lengths from a few tokens to several sequences
+        samples.append({"txt": text, "json": {"id": record["id"], "text": text}})
+    return write_shards("t", samples, 9)
 
 
 def documents(urls, tokenizer, **kw):

@@ -27,12 +27,9 @@ PER_SHARD = 13  # odd sizes: batches and buffers straddle shard boundaries
 
 
 @pytest.fixture(scope="module")
-def urls(tmp_path_factory, corpus_records) -> list[str]:
-    directory = tmp_path_factory.mktemp("pipeline")
-    with wds.ShardWriter(str(directory / "p-%02d.tar"), maxcount=PER_SHARD, verbose=0) as sink:
-        for number, record in enumerate(corpus_records[: SHARDS * PER_SHARD]):
-            sink.write({"__key__": f"{number:05d}", "txt": record["text"][:200], "json": {"id": record["id"]}})
-    return sorted(str(p) for p in directory.glob("p-*.tar"))
+def urls(write_shards, corpus_records) -> list[str]:
+    records = corpus_records[: SHARDS * PER_SHARD]
+    return write_shards("p", [{"txt": r["text"][:200], "json": {"id": r["id"]}} for r in records], PER_SHARD)
 
 
 def sample_buffer(state: dict[str, Any]) -> list:

@@ -23,12 +23,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # webdataset's a
 
 
 @pytest.fixture(scope="module")
-def urls(tmp_path_factory, corpus_records) -> list[str]:
-    directory = tmp_path_factory.mktemp("claims")
-    with wds.ShardWriter(str(directory / "c-%02d.tar"), maxcount=10, verbose=0) as sink:
-        for number, record in enumerate(corpus_records[:40]):
-            sink.write({"__key__": f"{number:05d}", "txt": record["text"][:80], "cls": number % 5})
-    return sorted(str(p) for p in directory.glob("c-*.tar"))
+def urls(write_shards, corpus_records) -> list[str]:
+    return write_shards("c", [{"txt": r["text"][:80], "cls": n % 5} for n, r in enumerate(corpus_records[:40])], 10)
 
 
 # -- limits that raise rather than resume wrong ----------------------------------------------------

@@ -26,12 +26,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # webdataset's a
 
 
 @pytest.fixture(scope="module")
-def urls(tmp_path_factory, corpus_records) -> list[str]:
-    directory = tmp_path_factory.mktemp("loader")
-    with wds.ShardWriter(str(directory / "l-%02d.tar"), maxcount=11, verbose=0) as sink:
-        for number, record in enumerate(corpus_records[:88]):
-            sink.write({"__key__": f"{number:05d}", "txt": record["text"][:100], "cls": number % 7})
-    return sorted(str(p) for p in directory.glob("l-*.tar"))
+def urls(write_shards, corpus_records) -> list[str]:
+    return write_shards("l", [{"txt": r["text"][:100], "cls": n % 7} for n, r in enumerate(corpus_records[:88])], 11)
 
 
 def _loader(urls, workers: int, main_shuffle: int = 9, persistent: bool = False):
