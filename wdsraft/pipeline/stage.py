@@ -82,6 +82,7 @@ class Stage:
     ``state_dict`` returned, or None for a fresh start), ``state_dict()`` and ``config()``.
     Called as a plain function on an iterator (``stage(src)``, the way webdataset calls
     stages), a stage runs without state, so it also works inside webdataset's own pipelines.
+    Which hooks a buffering, splitting, seeded or source stage must override: docs/stages.md.
     """
 
     def replay(self, src: Iterator[Any]) -> Iterator[Any]:
