@@ -41,6 +41,8 @@
 # Exit status: 0 passed (or SKIPPED), 1 a check failed or the flow broke.
 
 set -euo pipefail
+# The daemons (slurmd, slurmctld, munged) live in sbin, which a minimal PATH (CI's) may leave out.
+export PATH=$PATH:/usr/local/sbin:/usr/sbin:/sbin
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 START=$(date +%s)
