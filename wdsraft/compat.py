@@ -187,11 +187,8 @@ class WebDataset(DataPipeline, FluidInterface):
 
     def _use_seed(self, seed: Any) -> None:
         self.seed = seed
-        if self.shard_shuffle is not None:
-            if isinstance(self.shard_shuffle, filters.detshuffle):
-                self.shard_shuffle.detseed = seed
-            else:
-                self.shard_shuffle.seed = seed
+        if self.shard_shuffle is not None:  # (shuffle and detshuffle alike)
+            self.shard_shuffle.seed = seed
 
     def __enter__(self) -> WebDataset:
         return self

@@ -1,18 +1,41 @@
 """webdataset's ``filters`` module name: its stateless stages as they are, and wdsraft's checkpointable
-``shuffle``, ``detshuffle``, ``batched``, ``unbatched``, ``unlisted``, ``slice`` (from ``wdsraft.pipeline``)."""
+``shuffle``, ``detshuffle``, ``batched``, ``unbatched``, ``unlisted``, ``slice`` (from ``wdsraft.pipeline``).
+
+The uncurried functions (``_map``, ``_to_tuple``...) are there too, for code that calls them directly: the
+stateless ones webdataset's own; ``_shuffle``, ``_batched``, ``_unbatched``, ``_unlisted`` and ``_rsample``
+run wdsraft's stages (webdataset's streams, without state)."""
 
 from webdataset.filters import (
     Cached,
     FilterFunction,
     LMDBCached,
     RestCurried,
+    _associate,
+    _decode,
+    _extract_keys,
+    _info,
+    _log_keys,
+    _map,
+    _map_dict,
+    _map_tuple,
+    _rename,
+    _rename_keys,
+    _select,
+    _to_tuple,
+    _xdecode,
     associate,
     combine_values,
     compose,
+    compose2,
     decode,
+    decode_bin,
+    decode_pickle,
+    decode_text,
     default_collation_fn,
+    default_decoders,
     dict2tuple,
     extract_keys,
+    find_decoder,
     getfirst,
     identity,
     info,
@@ -34,25 +57,49 @@ from webdataset.filters import (
     xdecode,
 )
 
-from wdsraft.pipeline.batch import batched, unbatched, unlisted
-from wdsraft.pipeline.shuffle import detshuffle, shuffle
-from wdsraft.pipeline.slice import check_empty, rsample, slice
+from wdsraft.pipeline.batch import _batched, _unbatched, _unlisted, batched, unbatched, unlisted
+from wdsraft.pipeline.shuffle import _shuffle, detshuffle, shuffle
+from wdsraft.pipeline.slice import _rsample, check_empty, rsample, slice
 
 __all__ = [
     "Cached",
     "FilterFunction",
     "LMDBCached",
     "RestCurried",
+    "_associate",
+    "_batched",
+    "_decode",
+    "_extract_keys",
+    "_info",
+    "_log_keys",
+    "_map",
+    "_map_dict",
+    "_map_tuple",
+    "_rename",
+    "_rename_keys",
+    "_rsample",
+    "_select",
+    "_shuffle",
+    "_to_tuple",
+    "_unbatched",
+    "_unlisted",
+    "_xdecode",
     "associate",
     "batched",
     "check_empty",
     "combine_values",
     "compose",
+    "compose2",
     "decode",
+    "decode_bin",
+    "decode_pickle",
+    "decode_text",
     "default_collation_fn",
+    "default_decoders",
     "detshuffle",
     "dict2tuple",
     "extract_keys",
+    "find_decoder",
     "getfirst",
     "identity",
     "info",

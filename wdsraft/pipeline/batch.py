@@ -205,3 +205,23 @@ class unlisted(_Splitter):
     def split(self, batch: Any) -> list[Any]:
         assert isinstance(batch, list), batch
         return batch
+
+
+def _batched(
+    data: Iterator[Any],
+    batchsize: int = 20,
+    collation_fn: Callable[[list[Any]], Any] | None = default_collation_fn,
+    partial: bool = True,
+) -> Iterator[Any]:
+    """webdataset's ``_batched`` (the function its ``batched`` curries), run by :class:`batched`. Without state."""
+    yield from batched(batchsize, collation_fn=collation_fn, partial=partial)(data)
+
+
+def _unbatched(data: Iterator[Any]) -> Iterator[Any]:
+    """webdataset's ``_unbatched``, run by :class:`unbatched`. Without state."""
+    yield from unbatched()(data)
+
+
+def _unlisted(data: Iterator[Any]) -> Iterator[Any]:
+    """webdataset's ``_unlisted``, run by :class:`unlisted`. Without state."""
+    yield from unlisted()(data)

@@ -148,6 +148,13 @@ class DataPipeline(IterableDataset, PipelineStage):
     # -- iteration -------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Any]:
+        return self.iterator()
+
+    def iterator(self) -> Iterator[Any]:
+        """The iterator over the pipeline (webdataset's name, which its ``__iter__`` calls and subclasses
+        call or override): the repetitions of ``repeat``/``with_epoch`` and the ``with_epoch`` window, and the
+        state ``state_dict`` takes. webdataset leaves the window to ``__iter__``; here ``iterator()`` is
+        exactly what ``iter()`` gives, so a subclass whose ``__iter__`` calls it gets the same stream."""
         pending, self._pending = self._pending, None
         info = worker_info()
         if pending is not None:

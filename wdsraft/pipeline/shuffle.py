@@ -11,6 +11,7 @@ import random
 from collections.abc import Iterator
 from typing import Any
 
+from wdsraft.core.distributed import worker_info
 from wdsraft.core.errors import StateMismatchError
 from wdsraft.core.state import describe, make_seed, pack_rng, unpack_rng
 from wdsraft.pipeline.addresses import Address, pack_addresses, unpack_addresses
@@ -148,22 +149,56 @@ class detshuffle(shuffle):
     """webdataset's ``detshuffle``: a buffer shuffle seeded with ``seed + epoch``.
 
     The epoch is the pipeline's (see ``DataPipeline.set_epoch``), so it advances in
-    non-persistent DataLoader workers too.
+    non-persistent DataLoader workers too. As in webdataset, ``.seed`` is the seed and
+    ``.epoch`` the epoch of the last run (``epoch`` as given before the first): each run
+    sets it to ``epoch + 1 + the pipeline's epoch`` and seeds the RNG with ``seed + .epoch``.
+    Called on its own (``stage(src)``, as webdataset calls stages), each call runs the next epoch.
     """
 
     def __init__(self, bufsize: int = 1000, initial: int = 100, seed: Any = 0, epoch: int = -1):
         super().__init__(bufsize, initial)
         self._drawn = None  # seeded by seed + epoch: nothing drawn, nothing to carry in states
-        self.detseed = seed
+        self.seed = seed
         self.epoch = epoch
+        self.start_epoch = epoch  # the configured epoch (``.epoch`` moves with every run)
+
+    @property
+    def detseed(self) -> Any:
+        """The seed (an earlier name of ``seed``)."""
+        return self.seed
+
+    @detseed.setter
+    def detseed(self, seed: Any) -> None:
+        self.seed = seed
 
     def adopt_seed(self, seed: Any) -> None:
         pass
 
     def config(self) -> dict[str, Any]:
-        return {"bufsize": self.bufsize, "initial": self.initial, "seed": self.detseed, "epoch": self.epoch}
+        return {"bufsize": self.bufsize, "initial": self.initial, "seed": self.seed, "epoch": self.start_epoch}
 
     def _epoch_rng(self, ctx: Context) -> random.Random:
         rng = random.Random()
-        rng.seed(self.detseed + self.epoch + 1 + ctx.epoch)
+        rng.seed(self.seed + self.epoch)
         return rng
+
+    def run(self, ctx: Context, src: Iterator[Any] | None, state: dict[str, Any] | None) -> Iterator[Any]:
+        self.epoch = self.start_epoch + 1 + ctx.epoch  # before the RNG is made: it is seeded from it
+        return super().run(ctx, src, state)
+
+    def __call__(self, src: Iterator[Any] | None = None) -> Iterator[Any]:
+        # On its own, as webdataset's: each run is the next epoch after ``.epoch``.
+        return self.run(Context(self.epoch - self.start_epoch, worker_info()), src, None)
+
+
+def _shuffle(
+    data: Iterator[Any],
+    bufsize: int = 1000,
+    initial: int = 100,
+    rng: random.Random | None = None,
+    seed: Any = None,
+    handler: Any = None,
+) -> Iterator[Any]:
+    """webdataset's ``_shuffle`` (the function its ``shuffle`` curries), run by :class:`shuffle`: the same
+    stream for the same ``rng`` or ``seed``, and the same draws from a given ``rng``. Without state."""
+    yield from shuffle(bufsize, initial, rng=rng, seed=seed, handler=handler)(data)

@@ -100,3 +100,9 @@ class rsample(Stage):
                 "deterministic select), or restart the epoch"
             )
         return (item for item in src if random.uniform(0, 1) < self.p)
+
+
+def _rsample(data: Iterator[Any], p: float = 0.5) -> Iterator[Any]:
+    """webdataset's ``_rsample``, run by :class:`rsample`: the same draws from the global ``random``."""
+    assert 0.0 <= p <= 1.0
+    yield from rsample(p)(data)
