@@ -152,6 +152,13 @@ class _Iteration:
             if pipeline._skip is not None and pipeline._skip[0] == self.epoch:
                 ctx.skip = pipeline._skip[1]
             self.current = _Pass(pipeline, ctx, self.stage_states)
+            if self.stage_states is not None and self.pass_count > 0 and self.current.source_index is None:
+                raise StateMismatchError(
+                    f"cannot resume this pipeline {self.pass_count} items into epoch {self.epoch}: it has no "
+                    "wdsraft source stage (tarfile_to_samples, as in WebDataset) to seek back to where it was, so "
+                    "it would start the epoch again and deliver those items twice; read shards with "
+                    "wds.tarfile_to_samples(), or resume from a state taken at an epoch's end"
+                )
             self.stage_states = None
             window_full = False
             for item in self.current.iterator():
