@@ -369,3 +369,19 @@ def test_a_training_process_buffer_restores_from_a_few_batches_back_whatever_the
     bound = 4 * int(buffer * math.log(buffer)) // inner  # (111 batches: four times the typical oldest)
     assert max(replays) <= bound, (max(replays), bound)
     assert sorted(replays)[len(replays) // 2] >= 1  # (the buffer holds items: something to re-run)
+
+
+def test_persistent_workers_started_from_a_thread_that_ended_live_on(urls) -> None:
+    """The workers watch their parent process, not the thread that started them (PR_SET_PDEATHSIG would
+    have killed them when the thread that ran the first epoch ended)."""
+    import threading
+
+    loader = wds.WebLoader(
+        wds.WebDataset(urls, shardshuffle=False).batched(4), batch_size=None, num_workers=2, persistent_workers=True
+    )
+    first: list[int] = []
+    thread = threading.Thread(target=lambda: first.append(sum(1 for _ in loader)))
+    thread.start()
+    thread.join()
+    time.sleep(1.5)  # (three looks at the parent)
+    assert first == [sum(1 for _ in loader)] and first[0] > 0

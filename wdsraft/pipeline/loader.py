@@ -4,11 +4,9 @@ batches the dataset already formed, with a hook for formats that cross from work
 
 from __future__ import annotations
 
-import ctypes
-import logging
 import os
-import signal
-import sys
+import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -18,8 +16,6 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from wdsraft.core.state import describe
 from wdsraft.pipeline.addresses import Address
 from wdsraft.pipeline.stage import Context, SourceStage, Stage
-
-logger = logging.getLogger(__name__)
 
 
 class LoaderSource(SourceStage):
@@ -153,29 +149,26 @@ class DieWithParent:
 
     A rank killed by SIGKILL (the OOM killer, a node agent, ``kill -9``) cannot stop its workers, and
     a worker blocked writing its result pipe, whose read end a sibling still holds, lives on for ever
-    with its share of memory. Linux's ``PR_SET_PDEATHSIG`` has the kernel send it SIGKILL instead when
-    its parent dies. (The signal follows the thread that forked the worker: DataLoader starts workers
-    from the thread that iterates it, the training loop's.) Elsewhere than Linux, nothing changes.
+    with its share of memory (DataLoader's own watchdog only looks between batches). A daemon thread
+    in the worker watches its parent instead and ends the worker once the parent is gone. It is tied
+    to the process, not to the thread that started the worker (``PR_SET_PDEATHSIG`` is, and killed
+    persistent workers started from a thread that had ended), and a training process that is PID 1
+    (a container without init) is fine: the worker compares with the parent it was started by.
     """
+
+    #: Seconds between two looks at the parent.
+    interval = 0.5
 
     def __init__(self, worker_init_fn: Callable[[int], Any] | None = None):
         self.worker_init_fn = worker_init_fn
 
     def __call__(self, worker_id: int) -> None:
-        _die_with_parent()
+        parent = os.getppid()
+        threading.Thread(target=self._watch, args=(parent,), name="wdsraft-parent-watch", daemon=True).start()
         if self.worker_init_fn is not None:
             self.worker_init_fn(worker_id)
 
-
-def _die_with_parent() -> None:
-    if not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        logger.warning("DataLoader worker: prctl(PR_SET_PDEATHSIG) failed (errno %d)", ctypes.get_errno())
-        return
-    if os.getppid() == 1:  # the parent died before the call: the kernel will not tell us any more
+    def _watch(self, parent: int) -> None:
+        while os.getppid() == parent:  # (a dead parent's orphans are adopted: the parent pid changes)
+            time.sleep(self.interval)
         os._exit(1)
-
-
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
