@@ -731,6 +731,43 @@ def test_ledger_cli_counts_only_what_every_rank_committed(tmp_path, urls, capsys
     assert "step 63 of run a, which not every rank committed (ranks [1]" in err and "never committed" in err
 
 
+def test_committed_truth_follows_lineage_not_clocks_and_rewind_needs_a_watermark(tmp_path, urls, capsys) -> None:
+    """Run b resumed from run a, whose nodes' clocks were two minutes ahead: b is still the newest (the
+    lineage says so); a checkpoint of a run one of whose ranks never committed is refused; rewind acts
+    only on a watermark the user names (with none it would have pruned every file of a run in progress)."""
+    import json
+    import time as clock
+
+    path = str(tmp_path / "l")
+    ahead = clock.time() + 120
+    for rank in range(2):
+        first = wds.Ledger(path, run="a", rank=rank, world_size=2)
+        first.record({"__url__": [urls[rank]], "__ordinal__": [0]}, epoch=0)
+        first.commit(step=10)
+        first._file.commits[-1]["time"] = ahead  # (its node's clock)
+        first._file.save()
+    watermark = first.watermark()
+    for rank in range(2):
+        second = wds.Ledger(path, run="b", rank=rank, world_size=2)
+        second.lineage, second.lineage_steps = dict(watermark["lineage"]), dict(watermark["steps"])
+        second.record({"__url__": [urls[rank]], "__ordinal__": [1]}, epoch=0)
+        second.commit(step=15)
+    lone = wds.Ledger(path, run="c", rank=0, world_size=2)  # rank 1 of run c never committed
+    lone.record({"__url__": [urls[3]], "__ordinal__": [0]}, epoch=0)
+    lone_watermark = lone.commit(step=5)
+
+    assert _ledger_cli("show", path) == 0
+    shown = capsys.readouterr().out
+    assert "run b, step 15" in shown and "epoch 0: 4 samples consumed" in shown
+    checkpoint = tmp_path / "c.json"
+    checkpoint.write_text(json.dumps({"data": {"ledger": lone_watermark}}))
+    assert _ledger_cli("show", path, "--checkpoint", str(checkpoint)) == 1
+    assert "step 5 of run c, which not every rank committed" in capsys.readouterr().err
+    assert _ledger_cli("rewind", path, "--prune") == 1
+    assert "rewind needs the watermark" in capsys.readouterr().err
+    assert len(list((tmp_path / "l").rglob("*.ledger"))) == 5  # nothing removed
+
+
 def test_ledger_show_reports_unreadable_files(tmp_path, capsys) -> None:
     path = tmp_path / "l" / "run-x"
     path.mkdir(parents=True)

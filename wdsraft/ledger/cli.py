@@ -89,7 +89,8 @@ def add_ledger_commands(commands: Any, parents: Sequence[argparse.ArgumentParser
         help="drop the commits after a watermark (after a rewind to a checkpoint)",
         description=(
             "Rewrite each rank file of the runs in the watermark without the commits after it (for a training "
-            "rewound to an older checkpoint). Files of runs outside the watermark are kept, or deleted with "
+            "rewound to an older checkpoint), the watermark given with --checkpoint or --lineage (never a "
+            "default: rewinding rewrites files). Files of runs outside the watermark are kept, or deleted with "
             "--prune."
         ),
     )
@@ -184,7 +185,7 @@ def _refuse_uncommitted(path: str, watermark: dict[str, Any], files: list[RankFi
     (a rank died before writing it): reading the ledger under it would count what no resume counts."""
     complete = complete_steps(files)
     for run, step in (watermark.get("steps") or {}).items():
-        if step is None or run not in complete or step in complete[run]:
+        if step is None or not any(f.run == run for f in files) or step in complete.get(run, {}):
             continue
         missing = sorted(f.rank for f in files if f.run == run and not any(c.get("step") == step for c in f.commits))
         raise LedgerError(
@@ -341,8 +342,13 @@ def _ledger_exists(url: str) -> bool:
 
 
 def cmd_rewind(args: argparse.Namespace) -> int:
+    if args.lineage is None and not args.checkpoint and not args.all_commits:
+        # (rewinding rewrites or, with --prune, deletes files: it acts only on a watermark the user names)
+        raise LedgerError(args.path, "rewind needs the watermark to rewind to: --checkpoint FILE or --lineage ...")
     files, watermark = _rank_files(args)
     lineage = watermark[0]
+    if not lineage:
+        raise LedgerError(args.path, "the watermark names no run: nothing would be kept")
     for rank_file in files:
         if rank_file.run not in lineage:
             if args.prune:

@@ -1,5 +1,6 @@
 """A rank file: one msgpack file per (run, rank) holding that rank's commits (each a consumed set and
-a step), checksummed, written atomically; and the run id that names it.
+a step), checksummed, written atomically; the run id that names it; and what a set of rank files
+says was committed (the steps every rank of a run reached, the newest such watermark).
 """
 
 from __future__ import annotations
@@ -172,14 +173,20 @@ def complete_steps(files: list[RankFile]) -> dict[str, dict[int, tuple[int, floa
 def committed_watermark(files: list[RankFile]) -> tuple[dict[str, int], dict[str, int | None], str]:
     """The watermark of the newest step every rank of a run committed (what a checkpoint there builds on):
     (run -> commit, run -> step, a description). Empty where no run has such a step."""
-    best: tuple[float, int, str, int] | None = None
-    for run, marks in complete_steps(files).items():
-        for mark, (commit, when) in marks.items():
-            if best is None or (when, mark) > best[:2]:
-                best = (when, mark, run, commit)
-    if best is None:
+    complete = {run: marks for run, marks in complete_steps(files).items() if marks}
+    # Lineage first: a run another complete run resumed from is older, whatever the clocks of their nodes
+    # say (each rank stamps commits with its own clock). Time only orders unrelated runs.
+    ancestors = {parent for f in files if f.run in complete for parent in f.parent if parent != f.run}
+    newest: tuple[float, str] | None = None
+    for run, marks in complete.items():
+        if run not in ancestors:
+            when = max(when for _, when in marks.values())
+            newest = max(newest, (when, run)) if newest is not None else (when, run)
+    if newest is None:
         return {}, {}, "no step that every rank of a run committed"
-    _, mark, run, commit = best
+    run = newest[1]
+    mark = max(complete[run], key=lambda m: (m >= 0, abs(m)))  # its highest step (or commit, without steps)
+    commit = complete[run][mark][0]
     lineage: dict[str, int] = {}
     steps: dict[str, int | None] = {}
     for rank_file in files:  # (the ranks of a run resume from one checkpoint: their parents agree)
