@@ -28,6 +28,8 @@ from wdsraft.pipeline.loader import DieWithParent, LoaderSource, convert_batch
 from wdsraft.pipeline.shardlists import ResampledShards, SimpleShardList, single_node_only, split_by_worker
 from wdsraft.pipeline.source import TarfileToSamples
 
+__all__ = ["FluidInterface", "FluidWrapper", "WebDataset", "WebLoader"]
+
 
 class FluidInterface(WebdatasetFluidInterface):
     """webdataset's fluent methods; those that hold items between outputs are checkpointable here."""

@@ -1,6 +1,7 @@
 """webdataset's ``tariterators`` module name: the tar readers (``wdsraft.tar``) and the checkpointable
 source stage ``TarfileToSamples`` (``tarfile_to_samples``, from ``wdsraft.pipeline.source``)."""
 
+from webdataset.handlers import reraise_exception
 from webdataset.tariterators import base_plus_ext, group_by_keys, valid_sample
 
 from wdsraft.pipeline.source import TarfileToSamples, tarfile_to_samples
@@ -14,6 +15,7 @@ __all__ = [
     "base_plus_ext",
     "group_by_keys",
     "is_meta_member",
+    "reraise_exception",
     "split_key",
     "tar_file_expander",
     "tar_file_iterator",

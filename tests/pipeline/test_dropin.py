@@ -289,3 +289,28 @@ def test_a_pipeline_without_a_wdsraft_source_refuses_to_resume_mid_epoch(tmp_pat
     again = make()
     again.load_state_dict(end_of_epoch)
     assert [sample["__key__"] for sample in again] == [f"{n:05d}" for n in range(30)]  # the next epoch, whole
+
+
+class _Counting(wds.Stage):
+    """A custom source that restores its own position (docs/stages.md: any stateful stage)."""
+
+    def __init__(self, count: int):
+        self.count = count
+        self._next = 0
+
+    def state_dict(self) -> dict:
+        return {"next": self._next}
+
+    def run(self, ctx, src, state):
+        self._next = state["next"] if state else 0
+        return self._numbers()
+
+    def _numbers(self):
+        while self._next < self.count:
+            self._next += 1
+            yield self._next - 1
+
+
+def test_a_custom_stateful_source_still_resumes_mid_epoch() -> None:
+    stream = assert_resumes_everywhere(lambda: wds.DataPipeline(_Counting(12), wds.map(lambda n: n * n)))
+    assert stream == [n * n for n in range(12)]

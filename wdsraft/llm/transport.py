@@ -55,7 +55,7 @@ def collated_here(batch: dict[str, Any]) -> None:
 
 def straight_from_collation(batch: Any) -> bool:
     """Whether ``batch`` is the last batch ``batched`` collated in this thread (and forget it). The
-    caller must know that no code ran on it since: see ``compat.convert_batch``."""
+    caller must know that no code ran on it since: see ``compact_for_transport``."""
     last, _last_collated.batch = _last_collated.batch, None
     return last is batch
 

@@ -5,6 +5,8 @@ torch and torchdata are used from this layer up. Imports ``wdsraft.core``, ``io`
 never ``wdsraft.llm`` or ``wdsraft.ledger``, which plug into the hooks it opens.
 """
 
+from webdataset.utils import PipelineStage
+
 from wdsraft.pipeline.addresses import Address, pack_addresses, unpack_addresses
 from wdsraft.pipeline.datapipeline import DataPipeline, state_epoch
 from wdsraft.pipeline.stage import AddressTracker, Context, SourceStage, Stage, invoke_stage
@@ -14,6 +16,7 @@ __all__ = [
     "AddressTracker",
     "Context",
     "DataPipeline",
+    "PipelineStage",
     "SourceStage",
     "Stage",
     "invoke_stage",

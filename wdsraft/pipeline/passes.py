@@ -32,6 +32,15 @@ class _Pass:
         self.stages = pipeline.pipeline
         self.source_index = next((i for i, s in enumerate(self.stages) if isinstance(s, SourceStage)), None)
 
+    def resumes_mid_pass(self) -> bool:
+        """Whether a state taken inside this pass can seek back there: the pipeline has a source stage
+        (the tar reader, a WebLoader), or starts with a stateful stage that restores its own output
+        (not a shard list, whose state only replays the epoch from its start)."""
+        if self.source_index is not None:
+            return True
+        first = self.stages[0] if self.stages else None
+        return isinstance(first, Stage) and first.epoch_start_state() is None
+
     def iterator(self) -> Iterator[Any]:
         ctx, stages = self.ctx, self.stages
         ctx.stages = stages
@@ -152,7 +161,7 @@ class _Iteration:
             if pipeline._skip is not None and pipeline._skip[0] == self.epoch:
                 ctx.skip = pipeline._skip[1]
             self.current = _Pass(pipeline, ctx, self.stage_states)
-            if self.stage_states is not None and self.pass_count > 0 and self.current.source_index is None:
+            if self.stage_states is not None and self.pass_count > 0 and not self.current.resumes_mid_pass():
                 raise StateMismatchError(
                     f"cannot resume this pipeline {self.pass_count} items into epoch {self.epoch}: it has no "
                     "wdsraft source stage (tarfile_to_samples, as in WebDataset) to seek back to where it was, so "

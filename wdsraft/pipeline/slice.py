@@ -91,6 +91,9 @@ class rsample(Stage):
     def state_dict(self) -> dict[str, Any]:
         return {"resumable": False}
 
+    def epoch_start_state(self) -> dict[str, Any]:
+        return {"resumable": False}  # (before the source too: its draws picked the shards)
+
     def run(self, ctx: Context, src: Iterator[Any] | None, state: dict[str, Any] | None) -> Iterator[Any]:
         assert src is not None
         if state is not None and state.get("resumable") is False:
