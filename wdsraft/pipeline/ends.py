@@ -9,7 +9,9 @@ checkpoint taken there is taken by every rank). The training step treats ``None`
 no data (no loss, or a zero-weight batch), still joining the collectives.
 
 Each step costs one small ``all_reduce`` of an int; without an initialised process group of more
-than one rank, the batches pass through untouched.
+than one rank, the batches pass through untouched. With NCCL the int lives on the current CUDA
+device: call ``torch.cuda.set_device(local_rank)`` first, as NCCL needs anyway. A rank that raises
+leaves the others waiting in the ``all_reduce`` until the group's timeout, as with any collective.
 """
 
 from __future__ import annotations
