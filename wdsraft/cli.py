@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from wdsraft import __version__
 from wdsraft.core.errors import IndexFormatError, LedgerError, StateMismatchError, TarFormatError
-from wdsraft.index.manifest import MANIFEST_NAME, manifest_for
+from wdsraft.index.manifest import MANIFEST_NAME, Manifest, manifest_for
 from wdsraft.index.shard_index import ShardIndex
 from wdsraft.io.s3 import list_objects
 from wdsraft.ledger.cli import add_ledger_commands
@@ -90,18 +90,41 @@ def cmd_index(args: argparse.Namespace) -> int:
             raise
     samples = sum(index.num_samples for index in results.values())
     print(f"indexed {len(results)} of {len(urls)} shards, {samples} samples")
-    if results and args.manifest != "none" and not args.dry_run:
+    refused = False
+    if failures and args.manifest != "none" and not args.dry_run:
+        # A manifest of the good shards only would be a smaller dataset that says nothing of the others.
+        print(
+            f"no manifest written: {len(failures)} of {len(urls)} shards failed (mend or remove them, index again)",
+            file=sys.stderr,
+        )
+    elif results and args.manifest != "none" and not args.dry_run:
         directory = _common_directory(urls) if args.manifest == "auto" else posixpath.dirname(args.manifest)
         if directory is None:
             logger.warning("shards lie in several directories: pass --manifest PATH to write a manifest")
         else:
             target = posixpath.join(directory, MANIFEST_NAME) if args.manifest == "auto" else args.manifest
-            ordered = [(url, results[url]) for url in urls if url in results]
-            manifest_for(directory, ordered, name=args.name).save(target)
-            print(f"manifest: {target}")
+            refused = _written_by_convert(target)
+            if refused:
+                print(
+                    f"{target} was written by wdsraft convert (it records the inputs and the conversion): not "
+                    "overwritten; pass --manifest PATH for another file, or --manifest none",
+                    file=sys.stderr,
+                )
+            else:
+                ordered = [(url, results[url]) for url in urls if url in results]
+                manifest_for(directory, ordered, name=args.name).save(target)
+                print(f"manifest: {target}")
     for failure in failures:
         print(f"FAILED {failure}", file=sys.stderr)
-    return 1 if failures else 0
+    return 1 if failures or refused else 0
+
+
+def _written_by_convert(manifest_url: str) -> bool:
+    try:
+        manifest = Manifest.load(manifest_url)
+    except (IndexFormatError, OSError, UnicodeDecodeError):  # absent, or not a manifest of ours: replaced
+        return False
+    return manifest.inputs is not None or manifest.conversion is not None
 
 
 def _ignore_interrupts() -> None:

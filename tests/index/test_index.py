@@ -129,6 +129,29 @@ def test_index_command_reports_bad_shards_and_goes_on(tmp_path: Path, corpus_rec
     assert "indexed 3 of 4 shards" in captured.out
     assert "theirs-0001.tar" in captured.err and "byte offset" in captured.err
     assert not os.path.exists(urls[1] + ".idx")
+    assert "no manifest written: 1 of 4 shards failed" in captured.err
+    assert not os.path.exists(tmp_path / "manifest.json")  # (one of the good shards only: a silently smaller dataset)
+
+
+def test_index_command_keeps_the_manifest_convert_wrote(tmp_path: Path, capsys) -> None:
+    """Re-indexing converted shards rewrites their indexes (the same bytes) but not convert's manifest,
+    which records the inputs and the conversion; another --manifest path is written as asked."""
+    corpus = REPO / "examples" / "data" / "kernel-docs-sample.jsonl.zst"
+    assert (
+        cli_main(["convert", str(corpus), "--output", str(tmp_path / "out"), "-q", "--samples-per-shard", "200"]) == 0
+    )
+    manifest = tmp_path / "out" / "manifest.json"
+    written = manifest.read_bytes()
+    assert wdsraft.Manifest.load(str(manifest)).conversion is not None
+    capsys.readouterr()
+    assert cli_main(["index", str(tmp_path / "out" / "out-*.tar"), "--workers", "1", "-q"]) == 1
+    assert "written by wdsraft convert" in capsys.readouterr().err
+    assert manifest.read_bytes() == written
+    other = tmp_path / "out" / "reindexed.json"
+    assert (
+        cli_main(["index", str(tmp_path / "out" / "out-*.tar"), "--workers", "1", "-q", "--manifest", str(other)]) == 0
+    )
+    assert wdsraft.Manifest.load(str(other)).num_samples == 434
 
 
 def test_index_command_on_s3_prefix(tmp_path: Path, corpus_records, s3_bucket, capsys) -> None:
