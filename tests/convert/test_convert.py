@@ -766,3 +766,15 @@ def test_a_bom_split_across_the_first_decoded_pieces_is_stripped(tmp_path: Path,
     path.write_bytes(header + body + zlib.crc32(data).to_bytes(4, "little") + len(data).to_bytes(4, "little"))
     run([path], tmp_path / "out")
     assert sorted(s["txt"].decode() for s in read_samples(tmp_path / "out")) == ["a", "b"]
+
+
+def test_shard_names_from_the_output_name_are_plain_url_paths(tmp_path: Path) -> None:
+    """An output named like a version (``v1.0``) names its shards ``v1.0-*.tar``: they were ``v1%2E0-*.tar``
+    (sample-key escaping), which a manifest's URLs over HTTP read as an escape, and missed."""
+    corpus = Path(__file__).resolve().parents[2] / "examples" / "data" / "kernel-docs-sample.jsonl.zst"
+    for output, prefix in (("v1.0", "v1.0"), ("my data", "my_data")):
+        assert cli.main(["convert", str(corpus), "--output", str(tmp_path / output), "-q"]) == 0
+        manifest_url = str(tmp_path / output / "manifest.json")
+        urls = wdsraft.Manifest.load(manifest_url).urls(manifest_url)
+        assert [Path(url).name for url in urls] == [f"{prefix}-000000.tar"]
+        assert all(Path(url).exists() for url in urls)

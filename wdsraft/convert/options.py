@@ -11,7 +11,6 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from wdsraft.convert.keys import tar_safe_key
 from wdsraft.io.storage import local_path
 
 FORMAT_TXT_JSON = "txt+json"
@@ -121,7 +120,9 @@ class ConvertOptions:
         if self.name:
             return self.name
         base = posixpath.basename(self.output.rstrip("/"))
-        return tar_safe_key(base) if base and base not in (".", "..") else "data"
+        # What --name allows, from the output's base name: a shard name is part of a URL (Manifest.urls() over
+        # HTTP); the %-escapes of sample keys would read as URL escapes there (v1.0 gave v1%2E0-*.tar: 404).
+        return re.sub(r"[^A-Za-z0-9_.-]", "_", base) if base and base not in (".", "..") else "data"
 
     @property
     def work_directory(self) -> str:
