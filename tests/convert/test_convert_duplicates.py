@@ -107,3 +107,16 @@ def test_keys_without_an_id_field_are_not_collected(tmp_path: Path) -> None:
     out = tmp_path / "out"
     convert(ConvertOptions([str(path)], str(out), name="ds", keep_workdir=True))
     assert not list(out.glob(".wdsraft-work/scatter/*.keys"))
+
+
+def test_a_work_directory_scattered_without_key_digests_is_refused(tmp_path: Path, inputs) -> None:
+    with_repeats, _, _ = inputs
+    out, work = tmp_path / "out", tmp_path / "work"
+    _convert(with_repeats, out, workdir=str(work), phase="scatter", on_bad_record="skip")
+    done = work / "scatter" / "unit-000001.done"
+    record = json.loads(done.read_text())
+    del record["keys_size"]  # as an older wdsraft scattered it
+    done.write_text(json.dumps(record))
+    with pytest.raises(ConvertError, match=r"b\.jsonl was scattered by an older wdsraft.*remove .*scatter"):
+        _convert(with_repeats, out, workdir=str(work), on_bad_record="skip")
+    assert not list(out.glob("ds-*"))

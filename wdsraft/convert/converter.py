@@ -306,7 +306,8 @@ class Converter:
                 if size is None:
                     raise ConvertError(
                         f"{source.url} was scattered by an older wdsraft, without the digests of its keys that "
-                        f"duplicate keys are found with: remove {self.workdir.unit_done(unit)} and rerun"
+                        f"duplicate keys are found with: remove {os.path.dirname(self.workdir.unit_done(unit))} "
+                        "and rerun (the scatter phase is done again)"
                     )
                 sizes.append(int(size))
             jobs = [(self.workdir, sizes, partition) for partition in range(plan.buckets)]

@@ -62,8 +62,10 @@ def add_ledger_commands(commands: Any, parents: Sequence[argparse.ArgumentParser
         help="consumed counts and fractions per epoch and shard; runs and ranks",
         description=(
             "Print the runs and ranks that wrote the ledger (which of them count under the watermark and which "
-            "lie outside it, each run's last step and the watermark it resumed from), then per epoch how many "
-            "samples were consumed: with --manifest also the fraction and what remains, with --shards per shard."
+            "lie outside it, each run's last step and the watermark it resumed from), how many of the shards have "
+            "a recorded dataset identity, then per epoch how many samples were consumed: with --manifest also the "
+            "fraction and what remains, and the shards whose identity differs from the manifest's (exit status 1); "
+            "with --shards per shard."
         ),
     )
     common(show)
