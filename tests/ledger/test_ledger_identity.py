@@ -146,3 +146,35 @@ def test_a_torch_checkpoint_or_a_non_utf8_manifest_given_to_ledger_show_names_th
     latin.write_bytes('{"name": "caf\u00e9"}'.encode("latin-1"))
     with pytest.raises(wds.IndexFormatError, match=r"manifest.json: not a manifest: not UTF-8 text"):
         wds.Manifest.load(str(latin))
+
+
+def test_identities_of_shards_on_s3(dataset, tmp_path: Path, s3_bucket, caplog) -> None:
+    """Shards and their indexes on S3 (moto): identities are read through S3 and a replaced shard is named;
+    a shard without an index on S3 is not checked, quietly (an unindexed webdataset corpus is normal)."""
+    import boto3
+
+    _, output, local = dataset
+    client = boto3.client("s3")
+    for path in sorted(output.glob("ds-*")):
+        client.upload_file(str(path), s3_bucket, f"ds/{path.name}")
+    urls = [f"s3://{s3_bucket}/ds/{Path(url).name}" for url in local]
+    ledger_url = f"s3://{s3_bucket}/ledger"
+    saved = _train(wds.Ledger(ledger_url, run="one", rank=0, world_size=1), _loader(urls, 1, 4), stop=4)
+    (rank_file,) = wds.Ledger(ledger_url, run="x").rank_files()
+    recorded = rank_file.commits[0]["shards"]
+    assert set(recorded) <= set(urls) and all(len(item["sha256"]) == 64 for item in recorded.values())
+    # One shard replaced by another (with its index) under the same name: refused, naming it.
+    victim = sorted(recorded)[0]
+    other = next(url for url in local if Path(url).name != Path(victim).name)
+    client.upload_file(other, s3_bucket, f"ds/{Path(victim).name}")
+    client.upload_file(other + ".idx", s3_bucket, f"ds/{Path(victim).name}.idx")
+    with pytest.raises(StateMismatchError, match=f"{victim}: not the shard"):
+        wds.Ledger(ledger_url, run="two", rank=0, world_size=1).resume(_loader(urls, 2, 5), saved)
+    # Unindexed shards on S3: nothing recorded for them, no warning.
+    plain = wds.Ledger(f"s3://{s3_bucket}/other-ledger", run="p", rank=0, world_size=1)
+    plain.record({"__url__": [f"s3://{s3_bucket}/nowhere/a.tar"], "__ordinal__": [0]}, epoch=0)
+    with caplog.at_level(logging.WARNING, logger="wdsraft.ledger"):
+        plain.commit(step=1)
+    assert not [r for r in caplog.records if r.name.startswith("wdsraft")]
+    (plain_file,) = plain.rank_files()
+    assert plain_file.commits[0]["shards"] == {}

@@ -7,6 +7,7 @@ positions, so a ledger of the old one must refuse it rather than skip the wrong 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -15,6 +16,8 @@ from wdsraft.core.errors import IndexFormatError, StateMismatchError
 from wdsraft.index.shard_index import ShardIndex
 
 logger = logging.getLogger(__name__)
+
+_warned_once = threading.Event()  # (the index reads run in threads)
 
 Identity = dict[str, Any]  # {"sha256": str | None, "samples": int, "size": int}
 
@@ -27,7 +30,17 @@ def identity_of(url: str) -> Identity | None:
         logger.debug("no dataset identity for %s: %s", url, exn)
         return None
     except Exception as exn:  # (S3 clients raise their own kinds) the shard is then not checked: say so
-        logger.warning("could not read the index of %s to check its identity: %s", url, exn)
+        missing = any(mark in str(exn) for mark in ("NoSuchKey", "404", "Not Found"))
+        if missing or _warned_once.is_set():
+            logger.debug("no dataset identity for %s: %s", url, exn)
+        else:
+            _warned_once.set()
+            logger.warning(
+                "could not read the index of %s to check its dataset identity (%s): shards whose index cannot be "
+                "read are not checked (further failures are logged at debug level)",
+                url,
+                exn,
+            )
         return None
     return {"sha256": index.sha256, "samples": index.num_samples, "size": index.size}
 
