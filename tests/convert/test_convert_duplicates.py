@@ -120,3 +120,23 @@ def test_a_work_directory_scattered_without_key_digests_is_refused(tmp_path: Pat
     with pytest.raises(ConvertError, match=r"b\.jsonl was scattered by an older wdsraft.*remove .*scatter"):
         _convert(with_repeats, out, workdir=str(work), on_bad_record="skip")
     assert not list(out.glob("ds-*"))
+
+
+def test_array_tasks_find_the_same_duplicates(tmp_path: Path, inputs) -> None:
+    """Two array tasks, phase by phase: each write task finds the duplicates for itself; the result is
+    the single task's, byte for byte."""
+    with_repeats, _, _ = inputs
+    single = tmp_path / "single"
+    _convert(with_repeats, single, on_bad_record="skip", buckets=5)
+    out, work = tmp_path / "out", tmp_path / "work"
+    for phase in ("scatter", "write"):
+        for task in (0, 1):
+            _convert(
+                with_repeats, out, workdir=str(work), phase=phase, task_index=task, task_count=2,
+                on_bad_record="skip", buckets=5,
+            )  # fmt: skip
+    report = _convert(with_repeats, out, workdir=str(work), phase="finalize", on_bad_record="skip", buckets=5)
+    assert report.finalized and report.rejected == 4
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == {
+        p.name: p.read_bytes() for p in single.iterdir() if p.is_file()
+    }
