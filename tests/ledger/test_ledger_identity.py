@@ -62,12 +62,18 @@ def test_a_re_converted_dataset_under_the_same_names_is_refused(dataset, tmp_pat
         refused.resume(_loader(urls, 2, 5), saved)
     assert "sha256" in str(error.value)
 
-    # An exact resume (same configuration) is stopped at its first commit, before the checkpoint.
+    # An exact resume (same configuration) is refused too: the shards of its last commit are checked.
     exact = wds.Ledger(path, run="four", rank=0, world_size=1)
-    loader = _loader(urls, 1, 4)
-    assert exact.resume(loader, saved) == "exact"
     with pytest.raises(StateMismatchError, match=r"ds-\d+\.tar: not the shard"):
-        _train(exact, loader, stop=2)
+        exact.resume(_loader(urls, 1, 4), saved)
+
+    # Any other shard, at the first commit that names it (before the checkpoint that would build on it).
+    later = wds.Ledger(path, run="five", rank=0, world_size=1)
+    later.consumed(0, saved["ledger"]["lineage"], saved["ledger"]["steps"])  # (learns what was recorded)
+    recorded = {shard for f in later.rank_files() for c in f.commits for shard in c["shards"]}
+    later.record({"__url__": [sorted(recorded)[-1]], "__ordinal__": [0]}, epoch=0)
+    with pytest.raises(StateMismatchError, match=r"ds-\d+\.tar: not the shard"):
+        later.commit(step=1)
 
     # `ledger show` says what it recorded, and with the manifest that the dataset differs.
     assert main(["ledger", "show", path, "--all-commits", "--shards"]) == 0

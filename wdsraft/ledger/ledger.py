@@ -207,16 +207,24 @@ class Ledger:
 
     def _learn_own_lineage(self) -> None:
         """The identities this rank's files of the earlier runs recorded (an exact resume reads the same
-        shards as this rank did then; the whole ledger is not read for it)."""
+        shards as this rank did then; the whole ledger is not read for it). The shards of each file's last
+        counted commit, those being read at the checkpoint and read again first, are checked now; the
+        others as commits name them."""
+        recent: set[str] = set()
         for run in self.lineage:
             url = posixpath.join(self.path, f"run-{run}", f"rank-{self.rank:05d}{SUFFIX}")
             if not exists(url):
                 continue
             with gopen(url, "rb") as stream:
                 rank_file = RankFile.parse(url, stream.read())
+            last: dict[str, Any] | None = None
             for commit in rank_file.commits:
                 if counted(commit, run, self.lineage, self.lineage_steps):
                     self._identities.learn(commit, url)
+                    last = commit if commit["epochs"] else last
+            for record in (last or {}).get("epochs", {}).values():
+                recent.update(record["samples"], record["tokens"])
+        self._to_record.update(self._identities.check(recent))
 
     def _check_dataset(self, consumed: ConsumedSet) -> None:
         """Refuse, before anything is skipped, a dataset whose shards are not those the skip set names."""
