@@ -184,3 +184,11 @@ def test_identities_of_shards_on_s3(dataset, tmp_path: Path, s3_bucket, caplog) 
     assert not [r for r in caplog.records if r.name.startswith("wdsraft")]
     (plain_file,) = plain.rank_files()
     assert plain_file.commits[0]["shards"] == {}
+
+
+def test_resume_names_what_it_was_given_instead_of_a_ledger_checkpoint(tmp_path: Path) -> None:
+    ledger = wds.Ledger(str(tmp_path / "l"), run="a", rank=0, world_size=1)
+    with pytest.raises(
+        LedgerError, match=r"resume\(\) takes what Ledger.checkpoint\(\) returned .*\['data', 'model'\]"
+    ):
+        ledger.resume(_loader(["x.tar"], 1, 2), {"model": {}, "data": {}})  # the whole training checkpoint

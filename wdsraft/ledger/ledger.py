@@ -255,8 +255,14 @@ class Ledger:
         self._refuse_reused_run(self._rank_url())
         if not saved:
             return "fresh"
-        watermark = saved["ledger"]
-        if watermark["ledger"].rstrip("/") != self.path:
+        watermark = saved.get("ledger") if isinstance(saved, dict) else None
+        if not (isinstance(watermark, dict) and isinstance(watermark.get("lineage"), dict) and "loader" in saved):
+            # (a whole training checkpoint, or another tool's, instead of the "data" that checkpoint() returned)
+            keys = sorted(saved)[:6] if isinstance(saved, dict) else type(saved).__name__
+            raise LedgerError(
+                self.path, f"resume() takes what Ledger.checkpoint() returned ({{'loader', 'ledger'}}), not {keys}"
+            )
+        if str(watermark.get("ledger", "")).rstrip("/") != self.path:
             raise LedgerError(self.path, f"the checkpoint's ledger is {watermark['ledger']}, not this one")
         self.lineage = dict(watermark["lineage"])
         self.lineage_steps = dict(watermark.get("steps") or {})
