@@ -13,8 +13,10 @@ from typing import Any
 
 import numpy as np
 
+from wdsraft.convert.duplicates import Duplicates
+from wdsraft.convert.extents import read_extents
 from wdsraft.convert.options import ConvertError
-from wdsraft.convert.scatter import RECORD_HEADER, read_extents
+from wdsraft.convert.scatter import RECORD_HEADER
 from wdsraft.convert.workdir import WorkDir
 
 
@@ -100,10 +102,18 @@ class BucketReader:
         for unit, size in enumerate(data_sizes):
             for offset, count, length in read_extents(workdir.unit_data(unit), bucket, size).tolist():
                 self.extents.append((unit, offset, count, length))
+        # Records rejected as duplicates of a key after they were scattered here: per unit, their keys.
+        duplicates = Duplicates.load(workdir.duplicates)
+        self.excluded = duplicates.excluded(bucket) if duplicates is not None else {}
 
     @property
     def count(self) -> int:
-        return sum(extent[2] for extent in self.extents)
+        return sum(extent[2] for extent in self.extents) - sum(len(keys) for keys in self.excluded.values())
+
+    def _kept(self, unit: int, keys: np.ndarray) -> np.ndarray | None:
+        """Which of a segment's records are kept (None: all of them)."""
+        excluded = self.excluded.get(unit)
+        return None if excluded is None else ~np.isin(keys, excluded)
 
     @property
     def weight(self) -> int:
@@ -132,9 +142,13 @@ class BucketReader:
                     raise ConvertError(f"{self.workdir.unit_data(unit)}: truncated scatter data file")
                 header = np.frombuffer(buffer, dtype=RECORD_HEADER, count=count, offset=at)
                 sizes = header["size"].astype(np.int64)
-                keys.append(header["key"].copy())
-                starts.append(at + header.nbytes + np.cumsum(sizes) - sizes)
-                units.append(np.full(count, unit, dtype=np.int32))
+                segment_keys, segment_starts = header["key"].copy(), at + header.nbytes + np.cumsum(sizes) - sizes
+                kept = self._kept(unit, segment_keys)
+                if kept is not None:
+                    segment_keys, segment_starts = segment_keys[kept], segment_starts[kept]
+                keys.append(segment_keys)
+                starts.append(segment_starts)
+                units.append(np.full(len(segment_keys), unit, dtype=np.int32))
                 del header  # a view of the buffer: it must go before the buffer can be unmapped
                 at += length
         finally:
@@ -150,6 +164,9 @@ class BucketReader:
             with open(self.workdir.unit_data(unit), "rb") as handle:
                 handle.seek(offset)
                 header = np.frombuffer(handle.read(count * RECORD_HEADER.itemsize), dtype=RECORD_HEADER)
+            kept = self._kept(unit, header["key"])
+            if kept is not None:
+                header = header[kept]
             keys.append(header["key"].copy())
             sizes.append(header["size"].astype(np.int64))
         return _concat(keys, np.uint64), _concat(sizes, np.int64)
@@ -163,9 +180,13 @@ class BucketReader:
                 handle.seek(offset)
                 header = np.frombuffer(handle.read(count * RECORD_HEADER.itemsize), dtype=RECORD_HEADER)
             size = header["size"].astype(np.int64)
+            position = offset + header.nbytes + np.cumsum(size) - size
+            kept = self._kept(unit, header["key"])
+            if kept is not None:
+                header, size, position = header[kept], size[kept], position[kept]
             keys.append(header["key"].copy())
-            units.append(np.full(count, unit, dtype=np.int32))
-            positions.append(offset + header.nbytes + np.cumsum(size) - size)
+            units.append(np.full(len(header), unit, dtype=np.int32))
+            positions.append(position)
             sizes.append(size)
         order = np.argsort(_concat(keys, np.uint64), kind="stable")
         return _concat(units, np.int32)[order], _concat(positions, np.int64)[order], _concat(sizes, np.int64)[order]
@@ -195,7 +216,9 @@ class BucketReader:
                 header = np.frombuffer(handle.read(count * RECORD_HEADER.itemsize), dtype=RECORD_HEADER)
             sizes = header["size"].astype(np.int64)
             positions = offset + header.nbytes + np.cumsum(sizes) - sizes
-            keep = np.nonzero((header["key"] >= np.uint64(low)) & (header["key"] <= np.uint64(high)))[0]
+            selected_keys = (header["key"] >= np.uint64(low)) & (header["key"] <= np.uint64(high))
+            kept = self._kept(unit, header["key"])
+            keep = np.nonzero(selected_keys if kept is None else selected_keys & kept)[0]
             for i in keep.tolist():
                 selected.append((unit, int(positions[i]), int(sizes[i]), int(header["key"][i])))
                 total += int(sizes[i])

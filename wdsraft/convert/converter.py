@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from wdsraft.convert.buckets import ShardLayout
+from wdsraft.convert.duplicates import Duplicates, find_duplicates
 from wdsraft.convert.finalizer import REJECTS_NAME, Finalizer
 from wdsraft.convert.inputs import InputFile, expand_inputs
 from wdsraft.convert.jobs import JobRunner
@@ -286,8 +287,38 @@ class Converter:
             counts += np.asarray(done["bucket_counts"], dtype=np.int64)
             tar_bytes += np.asarray(done["bucket_tar_bytes"], dtype=np.int64)
             sizes.append(int(done["data_size"]))
+        duplicates = self._duplicates(plan)
+        if duplicates is not None:
+            counts -= duplicates.per_bucket(plan.buckets)  # (rejected: left out of their buckets)
         settings = plan.settings
         return ShardLayout(counts, tar_bytes, settings["samples_per_shard"], settings["shard_size"]), sizes
+
+    def _duplicates(self, plan: Plan) -> Duplicates | None:
+        """The records that repeat an earlier record's key (only ``--id-field`` keys can), found once after
+        the scatter phase; in ``error`` mode, the first of them stops the conversion."""
+        if plan.settings.get("id_field") is None:
+            return None
+        duplicates = Duplicates.load(self.workdir.duplicates)
+        if duplicates is None:
+            sizes = []
+            for unit, source in enumerate(plan.inputs):
+                size = (WorkDir.read_json(self.workdir.unit_done(unit)) or {}).get("keys_size")
+                if size is None:
+                    raise ConvertError(
+                        f"{source.url} was scattered by an older wdsraft, without the digests of its keys that "
+                        f"duplicate keys are found with: remove {os.path.dirname(self.workdir.unit_done(unit))} "
+                        "and rerun (the scatter phase is done again)"
+                    )
+                sizes.append(int(size))
+            jobs = [(self.workdir, sizes, partition) for partition in range(plan.buckets)]
+            found = self.runner.run(find_duplicates, jobs, "duplicate keys", 0, "bucket")
+            duplicates = Duplicates.build(plan, np.concatenate(found))
+            if len(duplicates.rows):  # (the rejects first: the duplicates file says both are there)
+                write_bytes_atomic(self.workdir.duplicate_rejects, duplicates.rejects(plan))
+            duplicates.save(self.workdir.duplicates)
+        if len(duplicates.rows) and self.options.on_bad_record == "error":
+            raise duplicates.error(plan)
+        return duplicates
 
     def _my_buckets(self, plan: Plan) -> list[int]:
         return list(range(self.options.task_index, plan.buckets, self.options.task_count))

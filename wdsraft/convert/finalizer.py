@@ -8,6 +8,7 @@ import shutil
 from typing import Any
 
 from wdsraft.convert.buckets import ShardLayout
+from wdsraft.convert.duplicates import Duplicates
 from wdsraft.convert.options import ConvertError, ConvertOptions
 from wdsraft.convert.report import ConvertReport, InputReport
 from wdsraft.convert.workdir import Plan, WorkDir
@@ -55,6 +56,10 @@ class Finalizer:
             inputs.append(
                 InputReport(source.url, done["lines"], done["blank_lines"], done["records"], 0, done["rejected"])
             )
+        duplicates = Duplicates.load(self.workdir.duplicates)
+        if duplicates is not None:
+            for unit, count in enumerate(duplicates.per_unit(len(inputs)).tolist()):
+                inputs[unit].rejected += count
         shards: list[dict[str, Any]] = []
         for bucket in range(plan.buckets):
             done = WorkDir.read_json(self.workdir.bucket_done(bucket))
@@ -118,6 +123,7 @@ class Finalizer:
 
     def _merge_rejects(self) -> bool:
         parts = [self.workdir.unit_rejects(u) for u in range(len(self.plan.inputs))]
+        parts.append(self.workdir.duplicate_rejects)
         parts = [path for path in parts if os.path.exists(path)]
         target = f"{self.plan.output}/{REJECTS_NAME}"
         if not parts:

@@ -41,7 +41,11 @@ class ShuffleKeys:
         self.buckets = np.uint64(buckets)
 
     def keys(self, first_line: int, count: int) -> np.ndarray:
-        z = self.base + np.arange(first_line, first_line + count, dtype=np.uint64) * self._GAMMA
+        return self.keys_at(np.arange(first_line, first_line + count, dtype=np.uint64))
+
+    def keys_at(self, lines: np.ndarray) -> np.ndarray:
+        """The keys of the records at these line numbers (``keys`` of a run of lines)."""
+        z = self.base + lines.astype(np.uint64) * self._GAMMA
         z = (z ^ (z >> np.uint64(30))) * self._MUL1
         z = (z ^ (z >> np.uint64(27))) * self._MUL2
         return z ^ (z >> np.uint64(31))

@@ -9,7 +9,6 @@ import base64
 import contextlib
 import json
 import os
-import struct
 import sys
 from array import array
 from collections.abc import Callable, Sequence
@@ -17,7 +16,9 @@ from typing import IO, Any
 
 import numpy as np
 
+from wdsraft.convert.duplicates import KeySpiller, key_digests
 from wdsraft.convert.events import BYTES_READ, SPILL, UNIT_DONE, emit
+from wdsraft.convert.extents import write_extent_table
 from wdsraft.convert.keys import ShuffleKeys
 from wdsraft.convert.lines import InputDamaged, LineReader
 from wdsraft.convert.options import ConvertError
@@ -26,9 +27,6 @@ from wdsraft.convert.workdir import Plan, WorkDir
 from wdsraft.io.storage import abandon_write, open_atomic
 
 RECORD_HEADER = np.dtype([("key", "<u8"), ("size", "<u4")])  # 12 bytes per record
-_FOOTER = struct.Struct("<QQ8s")  # extent table offset, bucket count, magic
-_FOOTER_MAGIC = b"WDSRSCT1"
-_EXTENT = np.dtype([("offset", "<u8"), ("count", "<u8"), ("length", "<u8")])
 
 
 class BucketSpiller:
@@ -115,36 +113,7 @@ class BucketSpiller:
     def close(self) -> int:
         """Spill what is left and write the extent table and footer; returns the file's size."""
         self.spill()
-        order = sorted(range(len(self.extents)), key=lambda i: self.extents[i][0])  # stable: spill order kept
-        table = np.zeros(len(order), dtype=_EXTENT)
-        starts = np.zeros(self.buckets + 1, dtype=np.uint64)
-        for row, i in enumerate(order):
-            bucket, offset, count, length = self.extents[i]
-            table[row] = (offset, count, length)
-            starts[bucket + 1] += 1
-        starts = np.cumsum(starts, dtype=np.uint64)
-        self.stream.write(starts.astype("<u8").tobytes())
-        self.stream.write(table.tobytes())
-        self.stream.write(_FOOTER.pack(self.offset, self.buckets, _FOOTER_MAGIC))
-        return self.offset + starts.nbytes + table.nbytes + _FOOTER.size
-
-
-def read_extents(path: str, bucket: int, size: int | None = None) -> np.ndarray:
-    """The segments of ``bucket`` in a unit data file (an array of offset, count, length)."""
-    if size is not None and os.path.getsize(path) != size:
-        raise ConvertError(
-            f"{path}: {os.path.getsize(path)} bytes, {size} expected (torn by a crash?): remove it and its "
-            ".done file, and rerun the scatter phase"
-        )
-    with open(path, "rb") as handle:
-        handle.seek(-_FOOTER.size, os.SEEK_END)
-        table_offset, buckets, magic = _FOOTER.unpack(handle.read(_FOOTER.size))
-        if magic != _FOOTER_MAGIC or not 0 <= bucket < buckets:
-            raise ConvertError(f"{path}: not a scatter data file of this conversion (torn or foreign)")
-        handle.seek(table_offset + 8 * bucket)
-        first, last = struct.unpack("<QQ", handle.read(16))
-        handle.seek(table_offset + 8 * (buckets + 1) + _EXTENT.itemsize * first)
-        return np.frombuffer(handle.read(_EXTENT.itemsize * (last - first)), dtype=_EXTENT)
+        return write_extent_table(self.stream, self.extents, self.buckets, self.offset)
 
 
 class RejectsWriter:
@@ -195,7 +164,8 @@ class ScatterJob:
         codec = PayloadCodec(encoder.extensions)
         keys = ShuffleKeys(self.plan.seed, source.name, self.plan.buckets)
         data_path = self.workdir.unit_data(self.unit)
-        for path in (data_path, self.workdir.unit_rejects(self.unit)):
+        keys_path = self.workdir.unit_keys(self.unit)
+        for path in (data_path, self.workdir.unit_rejects(self.unit), keys_path):
             WorkDir.clear_leftovers(path)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.workdir.unit_failed(self.unit))
@@ -206,6 +176,13 @@ class ScatterJob:
         # Leave room for what the reader holds besides the buffers (a chunk, its lines, a decoded
         # record) and for the allocator's slack (measured: about 1/8 and 6 MB).
         threshold = max(self.budget * 7 // 8 - (6 << 20), self.budget // 3)
+        # With --id-field, keys may repeat: their digests go to the keys file (a 16th of the budget), to be
+        # compared once every input is scattered. Without it, keys are input name and line: unique.
+        key_stream = key_spiller = None
+        if settings["id_field"] is not None:
+            key_stream = open_atomic(keys_path, fsync=False)
+            key_spiller = KeySpiller(key_stream, self.plan.buckets, threshold // 16)
+            threshold -= threshold // 16
         spiller = BucketSpiller(stream, self.plan.buckets, threshold, codec)
         spiller_budget_set = False
         spiller.on_spill = lambda: emit(SPILL, unit=self.unit)
@@ -222,6 +199,8 @@ class ScatterJob:
                     random_keys = keys.keys(first, len(batch))
                     buckets = keys.bucket_of(random_keys).tolist()
                     random_keys_list = random_keys.tolist()
+                    sample_keys: list[bytes] = []
+                    key_lines: list[int] = []
                     for i, raw in enumerate(batch):
                         if not raw or raw.isspace():
                             blank += 1
@@ -234,6 +213,11 @@ class ScatterJob:
                             rejects.add(first + i, raw, bad.reason)
                             continue
                         spiller.add(buckets[i], random_keys_list[i], key, members)
+                        if key_spiller is not None:
+                            sample_keys.append(key)
+                            key_lines.append(first + i)
+                    if key_spiller is not None:
+                        key_spiller.add(key_digests(sample_keys), key_lines)
             except InputDamaged as damage:
                 if not skip:
                     raise ConvertError(f"{source.url}: line {damage.line}: {damage.reason}") from None
@@ -242,9 +226,15 @@ class ScatterJob:
                 rejects.add(damage.line, damage.partial, damage.reason + "; the rest of the file is unreadable")
             data_size = spiller.close()
             stream.close()
+            keys_size = None
+            if key_spiller is not None and key_stream is not None:
+                keys_size = key_spiller.close()
+                key_stream.close()
             rejects.commit()
         except BaseException as exn:
             abandon_write(stream)
+            if key_stream is not None:
+                abandon_write(key_stream)
             rejects.abort()
             if isinstance(exn, Exception):  # (not an interrupt: a preempted task is requeued and retries)
                 # Tells the other tasks of an array, which would otherwise wait for this input forever. A
@@ -267,6 +257,7 @@ class ScatterJob:
             "rejected": rejects.count,
             "bytes_in": reader.bytes_out,
             "data_size": data_size,
+            "keys_size": keys_size,
             "spills": spiller.spills,
             "bucket_counts": spiller.counts.tolist(),
             "bucket_tar_bytes": spiller.tar_bytes.tolist(),

@@ -4,6 +4,7 @@ shards (``ShardCutter``), which go to a local directory or to S3 (the shard sink
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -154,7 +155,17 @@ class ShardCutter:
         if self.writer is None:
             return
         writer, self.writer = self.writer, None
-        index = writer.close()
+        try:
+            index = writer.close()
+        except BaseException:
+            # (detached above: abort() would not see it) Its temporary files go; a shard already renamed
+            # into place whose index could not be written goes too (no shard without its index is left).
+            writer.abort()
+            local = local_path(writer.url)
+            if local is not None and not os.path.exists(local + INDEX_SUFFIX):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(local)
+            raise
         self.written.append(
             {"name": self.names(self.shard), "samples": index.num_samples, "size": index.size, "sha256": index.sha256}
         )
@@ -262,10 +273,19 @@ def _write_sorted(
             if count % 1024 == 0:
                 emit(SAMPLES_WRITTEN, 1024)
         emit(SAMPLES_WRITTEN, len(starts) % 1024)
-    finally:
-        cutter.flush()  # the shard being written holds views of the buffer
-        view.release()
-        loaded.release()
+    except BaseException:
+        # The traceback's frames hold views of the buffer, so it cannot be unmapped yet (it is once they
+        # go), and the flush may fail again (a full disk): the error to report is the one raised.
+        with contextlib.suppress(BufferError, OSError):
+            _release(cutter, view, loaded)
+        raise
+    _release(cutter, view, loaded)
+
+
+def _release(cutter: ShardCutter, view: memoryview, loaded: LoadedRecords) -> None:
+    cutter.flush()  # the shard being written holds views of the buffer
+    view.release()
+    loaded.release()
 
 
 def run_bucket(

@@ -50,6 +50,18 @@ class WorkDir:
     def unit_failed(self, unit: int) -> str:
         return self._unit(unit, ".failed")
 
+    def unit_keys(self, unit: int) -> str:
+        """The digests of the unit's sample keys (with ``--id-field``), for finding duplicates."""
+        return self._unit(unit, ".keys")
+
+    @property
+    def duplicates(self) -> str:
+        return os.path.join(self.root, "scatter", "duplicates.npy")
+
+    @property
+    def duplicate_rejects(self) -> str:
+        return os.path.join(self.root, "scatter", "duplicates.rejects.jsonl")
+
     def bucket_done(self, bucket: int) -> str:
         return os.path.join(self.root, "write", f"bucket-{bucket:06d}.done")
 

@@ -102,7 +102,12 @@ class Manifest:
     @classmethod
     def load(cls, url: str) -> Manifest:
         with gopen(url, "rb") as stream:
-            return cls.from_json(stream.read().decode("utf-8"), url)
+            raw = stream.read()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exn:  # (the decoder's message does not name the file)
+            raise IndexFormatError(url, f"not a manifest: not UTF-8 text ({exn.reason} at byte {exn.start})") from None
+        return cls.from_json(text, url)
 
     def save(self, url: str) -> None:
         write_bytes_atomic(url, self.to_json().encode("utf-8"))

@@ -44,13 +44,22 @@ class AtomicLocalFile:
         directory = os.path.dirname(os.path.abspath(path))
         os.makedirs(directory, exist_ok=True)
         self.temp_path = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-        self._file = open(self.temp_path, "wb")  # noqa: SIM115 - closed by close()/abort()
+        try:
+            self._file = open(self.temp_path, "wb")  # noqa: SIM115 - closed by close()/abort()
+        except OSError as exn:  # (named by the file being written, not its temporary name)
+            raise OSError(exn.errno, exn.strerror, path) from None
 
     def write(self, data: bytes) -> int:
-        return self._file.write(data)
+        try:
+            return self._file.write(data)
+        except OSError as exn:
+            raise _naming(exn, self.path) from None
 
     def flush(self) -> None:
-        self._file.flush()
+        try:
+            self._file.flush()
+        except OSError as exn:
+            raise _naming(exn, self.path) from None
 
     @property
     def closed(self) -> bool:
@@ -66,14 +75,19 @@ class AtomicLocalFile:
                 os.fsync(self._file.fileno())
             self._file.close()
             os.replace(self.temp_path, self.path)
-        except BaseException:
+        except BaseException as exn:
             self.abort()
+            if isinstance(exn, OSError):
+                raise _naming(exn, self.path) from None
             raise
 
     def abort(self) -> None:
         """Drop what was written; the final name is untouched."""
         if not self._file.closed:
-            self._file.close()
+            # Closing flushes what is buffered, which fails again on a full disk: the file is closed
+            # all the same, and the temporary file must go whatever happened.
+            with contextlib.suppress(OSError):
+                self._file.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.temp_path)
 
@@ -85,6 +99,14 @@ class AtomicLocalFile:
             self.close()
         else:
             self.abort()
+
+
+def _naming(exn: OSError, path: str) -> OSError:
+    """The error of a write, naming the file being written (a failed write names none: "[Errno 28] No
+    space left on device" would not say which of a conversion's many files filled the disk)."""
+    if exn.filename is not None or exn.errno is None:
+        return exn
+    return OSError(exn.errno, exn.strerror or os.strerror(exn.errno), path)
 
 
 def open_atomic(url: str, fsync: bool = True) -> IO[bytes]:

@@ -16,6 +16,7 @@ from wdsraft.index.manifest import Manifest
 from wdsraft.index.shard_index import ShardIndex
 from wdsraft.io.storage import local_path, remove
 from wdsraft.ledger.consumed import ConsumedSet
+from wdsraft.ledger.identity import ShardIdentities, difference
 from wdsraft.ledger.ledger import Ledger
 from wdsraft.ledger.rank_file import SUFFIX, RankFile, committed_watermark, complete_steps, counted
 
@@ -61,8 +62,10 @@ def add_ledger_commands(commands: Any, parents: Sequence[argparse.ArgumentParser
         help="consumed counts and fractions per epoch and shard; runs and ranks",
         description=(
             "Print the runs and ranks that wrote the ledger (which of them count under the watermark and which "
-            "lie outside it, each run's last step and the watermark it resumed from), then per epoch how many "
-            "samples were consumed: with --manifest also the fraction and what remains, with --shards per shard."
+            "lie outside it, each run's last step and the watermark it resumed from), how many of the shards have "
+            "a recorded dataset identity, then per epoch how many samples were consumed: with --manifest also the "
+            "fraction and what remains, and the shards whose identity differs from the manifest's (exit status 1); "
+            "with --shards per shard."
         ),
     )
     common(show)
@@ -244,6 +247,45 @@ def _find_watermark(record: Any) -> dict[str, Any] | None:
     return None
 
 
+def _identities(files: list[RankFile], watermark: Watermark) -> ShardIdentities:
+    """The dataset identities the commits under the watermark recorded."""
+    identities = ShardIdentities(files[0].url.rsplit("/run-", 1)[0] if files else "ledger")
+    for rank_file in files:
+        for commit in rank_file.commits:
+            if counted(commit, rank_file.run, *watermark):
+                identities.learn(commit, rank_file.url)
+    return identities
+
+
+def _show_identities(identities: ShardIdentities, shards: set[str], manifest_url: str | None) -> int:
+    """Print what the ledger recorded of the dataset, and where a manifest is given whether it is that
+    dataset; returns the number of shards that differ."""
+    known = [shard for shard in sorted(shards) if shard in identities.recorded]
+    line = f"dataset: {len(known)} of {len(shards)} shards identified (sha256, samples, size of their index)"
+    if identities.unrecorded_seen:
+        line += "; commits of an older wdsraft record none"
+    print(line)
+    if not manifest_url:
+        return 0
+    manifest = Manifest.load(manifest_url)
+    current = {
+        url: {"sha256": e.sha256, "samples": e.num_samples, "size": e.size}
+        for url, e in zip(manifest.urls(manifest_url), manifest.shards, strict=True)
+    }
+    differing = 0
+    for shard in known:
+        why = difference(identities.recorded[shard], current[shard]) if shard in current else None
+        if why is not None:
+            differing += 1
+            if differing <= 5:
+                print(f"  DIFFERS from {manifest_url}: {shard} ({why})")
+    if differing:
+        print(f"  {differing} shards differ: the ledger was written for another dataset under the same names")
+    else:
+        print(f"  every identified shard matches {manifest_url}")
+    return differing
+
+
 def _epochs(files: list[RankFile], watermark: Watermark) -> dict[int, ConsumedSet]:
     epochs: dict[int, ConsumedSet] = defaultdict(ConsumedSet)
     for rank_file in files:
@@ -256,11 +298,7 @@ def _epochs(files: list[RankFile], watermark: Watermark) -> dict[int, ConsumedSe
 
 def _sizes(manifest_url: str | None, shards: list[str]) -> dict[str, int]:
     if manifest_url:
-        try:
-            manifest = Manifest.load(manifest_url)
-        except UnicodeDecodeError as exn:  # (the decoder's message does not name the file)
-            reason = f"not a manifest: not UTF-8 text ({exn.reason} at byte {exn.start})"
-            raise IndexFormatError(manifest_url, reason) from None
+        manifest = Manifest.load(manifest_url)
         return dict(zip(manifest.urls(manifest_url), (e.num_samples for e in manifest.shards), strict=True))
     sizes = {}
     for shard in shards:
@@ -301,6 +339,9 @@ def cmd_show(args: argparse.Namespace) -> int:
     if args.manifest or args.shards:  # (without a manifest: one index read per shard, once, only when shown)
         sizes = _sizes(args.manifest, sorted({shard for consumed in epochs.values() for shard in consumed.samples}))
     total = sum(sizes.values()) if args.manifest else None
+    recorded = {shard for consumed in epochs.values() for shard in (*consumed.samples, *consumed.tokens)}
+    identities = _identities(files, watermark)
+    differing = _show_identities(identities, recorded, args.manifest)
     for epoch, consumed in epochs.items():
         count = consumed.count()
         partial = sum(len(t) for t in consumed.tokens.values())
@@ -312,8 +353,10 @@ def cmd_show(args: argparse.Namespace) -> int:
             for shard, bitmap in sorted(consumed.samples.items()):
                 size = sizes.get(shard)
                 fraction = f" of {size} ({len(bitmap) / size:.0%})" if size else ""
-                print(f"  {shard}: {len(bitmap)}{fraction}")
-    return 0
+                identity = identities.recorded.get(shard)
+                sha = f" [sha256 {identity['sha256'][:12]}]" if identity and identity.get("sha256") else ""
+                print(f"  {shard}: {len(bitmap)}{fraction}{sha}")
+    return 1 if differing else 0
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
@@ -322,6 +365,11 @@ def cmd_merge(args: argparse.Namespace) -> int:
         raise LedgerError(args.output, "the output ledger exists already")
     merged = Ledger(args.output, run="merged", rank=0, world_size=1)
     merged.pending = _epochs(files, watermark)
+    # The identities recorded then, not those of the dataset now (which may not even be reachable).
+    recorded = _identities(files, watermark).recorded
+    shards = {shard for consumed in merged.pending.values() for shard in (*consumed.samples, *consumed.tokens)}
+    merged._identities.checked.update({shard: recorded.get(shard) for shard in shards})
+    merged._to_record.update({shard: recorded[shard] for shard in shards if shard in recorded})
     print(json.dumps(merged.commit()))
     return 0
 

@@ -35,6 +35,7 @@ from wdsraft.io.gopen import gopen
 from wdsraft.io.s3 import s3_client
 from wdsraft.io.storage import exists, local_path
 from wdsraft.ledger.consumed import ConsumedSet, PieceOrder, _piece_positions, _pieces, positions_of
+from wdsraft.ledger.identity import Identity, ShardIdentities
 from wdsraft.ledger.rank_file import SUFFIX, RankFile, counted, default_run_id
 from wdsraft.pipeline.datapipeline import state_epoch
 from wdsraft.pipeline.shardlists import UrlList
@@ -70,6 +71,8 @@ class Ledger:
         self.pending: dict[int, ConsumedSet] = {}  # epoch -> delivered since the last commit
         self._file: RankFile | None = None
         self._order = PieceOrder()
+        self._identities = ShardIdentities(self.path)
+        self._to_record: dict[str, Identity] = {}  # identities read from the dataset, for the next commit
         #: For a run that resumed elastically: the epoch and lineage whose consumed set it skips.
         self.skip: dict[str, Any] | None = None
 
@@ -123,11 +126,17 @@ class Ledger:
             self._file = RankFile(
                 url, self.run, self.rank, self.world_size, dict(self.lineage), dict(self.lineage_steps)
             )
+        # The dataset identity of every shard this process records positions in, read once per shard (its
+        # index) and checked against what earlier commits recorded: positions in another dataset under the
+        # same names must not count.
+        touched = {shard for consumed in self.pending.values() for shard in (*consumed.samples, *consumed.tokens)}
+        self._to_record.update(self._identities.check(touched))
         commit = {
             "commit": self.commit_number + 1,
             "step": step,
             "time": time.time(),
             "epochs": {str(epoch): consumed.to_plain() for epoch, consumed in self.pending.items() if consumed},
+            "shards": dict(self._to_record),
         }
         self._file.commits.append(commit)
         try:
@@ -135,6 +144,7 @@ class Ledger:
         except BaseException:
             self._file.commits.pop()  # (nothing changed: the same commit can be tried again)
             raise
+        self._to_record = {}
         self.commit_number += 1
         self.last_step = step
         self.pending = {}
@@ -187,10 +197,38 @@ class Ledger:
         merged = ConsumedSet()
         for rank_file in self.rank_files():
             for commit in rank_file.commits:
+                if not counted(commit, rank_file.run, lineage, steps):
+                    continue
+                self._identities.learn(commit, rank_file.url)
                 record = commit["epochs"].get(str(epoch))
-                if record and counted(commit, rank_file.run, lineage, steps):
+                if record:
                     merged.update(ConsumedSet.from_plain(record))
         return merged
+
+    def _learn_own_lineage(self) -> None:
+        """The identities this rank's files of the earlier runs recorded (an exact resume reads the same
+        shards as this rank did then; the whole ledger is not read for it). The shards of each file's last
+        counted commit, those being read at the checkpoint and read again first, are checked now; the
+        others as commits name them."""
+        recent: set[str] = set()
+        for run in self.lineage:
+            url = posixpath.join(self.path, f"run-{run}", f"rank-{self.rank:05d}{SUFFIX}")
+            if not exists(url):
+                continue
+            with gopen(url, "rb") as stream:
+                rank_file = RankFile.parse(url, stream.read())
+            last: dict[str, Any] | None = None
+            for commit in rank_file.commits:
+                if counted(commit, run, self.lineage, self.lineage_steps):
+                    self._identities.learn(commit, url)
+                    last = commit if commit["epochs"] else last
+            for record in (last or {}).get("epochs", {}).values():
+                recent.update(record["samples"], record["tokens"])
+        self._to_record.update(self._identities.check(recent))
+
+    def _check_dataset(self, consumed: ConsumedSet) -> None:
+        """Refuse, before anything is skipped, a dataset whose shards are not those the skip set names."""
+        self._to_record.update(self._identities.check({*consumed.samples, *consumed.tokens}))
 
     # -- checkpoints -------------------------------------------------------------------------------
 
@@ -217,8 +255,14 @@ class Ledger:
         self._refuse_reused_run(self._rank_url())
         if not saved:
             return "fresh"
-        watermark = saved["ledger"]
-        if watermark["ledger"].rstrip("/") != self.path:
+        watermark = saved.get("ledger") if isinstance(saved, dict) else None
+        if not (isinstance(watermark, dict) and isinstance(watermark.get("lineage"), dict) and "loader" in saved):
+            # (a whole training checkpoint, or another tool's, instead of the "data" that checkpoint() returned)
+            keys = sorted(saved)[:6] if isinstance(saved, dict) else type(saved).__name__
+            raise LedgerError(
+                self.path, f"resume() takes what Ledger.checkpoint() returned ({{'loader', 'ledger'}}), not {keys}"
+            )
+        if str(watermark.get("ledger", "")).rstrip("/") != self.path:
             raise LedgerError(self.path, f"the checkpoint's ledger is {watermark['ledger']}, not this one")
         self.lineage = dict(watermark["lineage"])
         self.lineage_steps = dict(watermark.get("steps") or {})
@@ -227,11 +271,14 @@ class Ledger:
             if skip is not None:  # the saved run was itself elastic: it skipped this set, so must we
                 self.skip = skip
                 consumed = self.consumed(skip["epoch"], skip["lineage"], skip.get("steps"))
+                self._check_dataset(consumed)
                 _dataset_of(loader).skip_consumed(consumed, skip["epoch"])
+            self._learn_own_lineage()
             loader.load_state_dict(saved["loader"])
             return "exact"
         epoch = watermark["epoch"] or 0
         consumed = self.consumed(epoch, self.lineage, self.lineage_steps)
+        self._check_dataset(consumed)
         logger.warning(
             "configuration changed: elastic resume of epoch %d, skipping %d consumed samples",
             epoch,

@@ -124,12 +124,57 @@ class RankFile:
         body = outer.get("body", b"")
         if hashlib.sha256(body).hexdigest() != outer.get("sha256"):
             raise LedgerError(url, "checksum mismatch: the file is torn or corrupt")
-        record = msgpack.unpackb(body, raw=False, strict_map_key=False)
+        try:
+            record = msgpack.unpackb(body, raw=False, strict_map_key=False)
+            _check_structure(record)
+        except (ValueError, TypeError, msgpack.UnpackException) as exn:  # (the checksum held: written so)
+            raise LedgerError(url, f"checksum right but not the structure of a ledger file ({exn})") from None
         loaded = cls(
             url, record["run"], record["rank"], record["world_size"], record["parent"], record.get("parent_steps")
         )
         loaded.commits = record["commits"]
         return loaded
+
+
+def _check_structure(record: Any) -> None:
+    """Raise ValueError saying what is wrong where a ledger body is not laid out as ``to_bytes`` writes it
+    (types only: reading it then cannot fail half-way, far from the file's name)."""
+
+    def need(ok: bool, what: str) -> None:
+        if not ok:
+            raise ValueError(what)
+
+    need(isinstance(record, dict), "the body is not a map")
+    need(isinstance(record.get("run"), str), "no run id")
+    for field in ("rank", "world_size"):
+        need(isinstance(record.get(field), int), f"{field} is not an integer")
+    need(isinstance(record.get("parent"), dict), "parent is not a map")
+    need(isinstance(record.get("parent_steps", {}) or {}, dict), "parent_steps is not a map")
+    commits = record.get("commits")
+    need(isinstance(commits, list), "commits is not a list")
+    for number, commit in enumerate(commits, 1):
+        where = f"commit {number}"
+        need(isinstance(commit, dict) and isinstance(commit.get("commit"), int), f"{where} has no commit number")
+        need(commit.get("step") is None or isinstance(commit["step"], int), f"{where}: step is not an integer")
+        need(isinstance(commit.get("shards", {}), dict), f"{where}: shards is not a map")
+        epochs = commit.get("epochs")
+        need(isinstance(epochs, dict), f"{where}: epochs is not a map")
+        for epoch, consumed in epochs.items():
+            need(isinstance(epoch, str) and epoch.lstrip("-").isdigit(), f"{where}: epoch {epoch!r} is not a number")
+            need(isinstance(consumed, dict), f"{where}, epoch {epoch}: not a map")
+            samples, tokens = consumed.get("samples"), consumed.get("tokens")
+            need(
+                isinstance(samples, dict) and all(isinstance(b, bytes) for b in samples.values()),
+                f"{where}, epoch {epoch}: samples is not a map of shard to bitmap bytes",
+            )
+            need(
+                isinstance(tokens, dict)
+                and all(
+                    isinstance(pairs, list) and all(isinstance(p, list) and len(p) == 2 for p in pairs)
+                    for pairs in tokens.values()
+                ),
+                f"{where}, epoch {epoch}: tokens is not a map of shard to [ordinal, tokens] pairs",
+            )
 
 
 def counted(
