@@ -7,6 +7,7 @@ to a sample O(1), and let readers check a shard as they go. Plain data: reading 
 
 from __future__ import annotations
 
+import bisect
 import logging
 import sys
 import zlib
@@ -77,6 +78,11 @@ class ShardIndex:
         if not 0 <= ordinal <= self.num_samples:
             raise IndexError(f"{self.shard}: sample {ordinal} out of range (0..{self.num_samples})")
         return self.offsets[ordinal]
+
+    def ordinal_at(self, offset: int) -> int | None:
+        """The ordinal of the sample starting at byte ``offset`` (the end offset gives ``num_samples``), or None."""
+        ordinal = bisect.bisect_left(self.offsets, offset)
+        return ordinal if ordinal < len(self.offsets) and self.offsets[ordinal] == offset else None
 
     @property
     def identity(self) -> str:

@@ -67,7 +67,7 @@ class ShardSampleReader:
         url: str,
         *,
         offset: int = 0,
-        ordinal: int = 0,
+        ordinal: int | None = 0,
         handler: Handler = reraise_exception,
         select_files: Callable[[str], bool] | None = None,
         rename_files: Callable[[str], str] | None = None,
@@ -85,9 +85,10 @@ class ShardSampleReader:
         self.block_size = block_size
         self._stream = stream
         self.start_offset = offset
+        # None: the ordinal of the sample at `offset`, from the index (0 without one, as before indexes)
         self.start_ordinal = ordinal
         self.next_offset = offset
-        self.next_ordinal = ordinal
+        self.next_ordinal = ordinal if ordinal is not None else 0
         self.index_option = index
         self.verify = verify
         #: The index the reader checks against (resolved when iteration starts), or None.
@@ -111,6 +112,11 @@ class ShardSampleReader:
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         self.index = index = self._resolve_index()
+        if self.start_ordinal is None:
+            found = index.ordinal_at(self.start_offset) if index is not None else None
+            if index is not None and found is None:
+                raise ShardIntegrityError(self.url, self.start_offset, "no sample of the index starts at this offset")
+            self.start_ordinal = self.next_ordinal = found or 0
         if self.verify and (index is None or index.crc32 is None):
             raise IndexFormatError(
                 self.url + INDEX_SUFFIX,
@@ -146,7 +152,8 @@ class ShardSampleReader:
         # With an index, a sample goes out once the group it came from (its span as written) is checked:
         # `verified` is the last checked ordinal; samples of the group still open wait in `held`
         # (only a rename that splits a group makes any). Without an index everything goes out at once.
-        checks = _Checks(url, index, digester, self.start_ordinal) if index is not None else None
+        first = self.next_ordinal  # (the start ordinal, resolved)
+        checks = _Checks(url, index, digester, first) if index is not None else None
         offsets = index.offsets if index is not None else None
         count = index.num_samples if index is not None else 0
         verified = ordinal if checks is not None else sys.maxsize
@@ -165,7 +172,7 @@ class ShardSampleReader:
                     if offsets is not None:  # the free check: one compare per sample
                         if ordinal >= count or offsets[ordinal] != offset:
                             raise checks.misplaced(ordinal, offset)  # type: ignore[union-attr]
-                        if digester is not None and ordinal > self.start_ordinal:
+                        if digester is not None and ordinal > first:
                             checks.verify_span(ordinal - 1, offset)  # type: ignore[union-attr]
                         verified = ordinal - 1
                         if held:
@@ -311,7 +318,7 @@ def tarfile_samples(
     """Samples from a stream of ``dict(url=...)`` shard descriptions, as webdataset's.
 
     A description may also hold ``offset`` and ``ordinal`` (from an index or a saved
-    state) to start inside the shard. Shards with an index are checked against it (see
+    state) to start inside the shard; an ``offset`` alone takes its ordinal from the index. Shards with an index are checked against it (see
     :class:`ShardSampleReader`); ``verify=True`` checks every sample's digest too.
     """
     for source in src:
@@ -319,7 +326,7 @@ def tarfile_samples(
         reader = ShardSampleReader(
             url,
             offset=source.get("offset", 0),
-            ordinal=source.get("ordinal", 0),
+            ordinal=source.get("ordinal", None if source.get("offset") else 0),
             handler=handler,
             select_files=select_files,
             rename_files=rename_files,
