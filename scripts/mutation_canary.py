@@ -117,8 +117,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "index-end-entry",
         "a built index ends at the bytes read so far instead of where the last sample ends: the last "
         "sample's span is wrong and the index disagrees with the writer's",
-        "offsets.append(reader.next_offset)",
-        "offsets.append(hashing.count)",
+        "end = reader.next_offset",
+        "end = hashing.count",
         ("tests/index/test_index.py::test_writer_index_equals_built_index",),
     ),
     Mutation(
