@@ -128,9 +128,7 @@ class TarfileToSamples(SourceStage):
         for source in src:
             url = source["url"] if isinstance(source, dict) else source
             started += 1
-            offset, ordinal = (
-                (source.get("offset", 0), source.get("ordinal")) if isinstance(source, dict) else (0, 0)
-            )
+            offset, ordinal = (source.get("offset", 0), source.get("ordinal")) if isinstance(source, dict) else (0, 0)
             if resume is not None and started <= resume["shards_started"]:
                 if started < resume["shards_started"]:
                     continue  # finished before the checkpoint: not even opened
@@ -174,9 +172,7 @@ class TarfileToSamples(SourceStage):
                 f"the saved state had started {resume['shards_started']} shards this epoch, but only {started} remain"
             )
 
-    def _readers(
-        self, ctx: Context, url: str, offset: int, ordinal: int, index: ShardIndex | None
-    ) -> Iterator[Any]:
+    def _readers(self, ctx: Context, url: str, offset: int, ordinal: int, index: ShardIndex | None) -> Iterator[Any]:
         """Readers over what is left to read of a shard: all of it, or -- with a ledger's consumed set
         (elastic resume) -- the runs of samples not yet consumed, found through the shard index so
         consumed samples are not even read, and fully consumed shards not opened."""
@@ -251,7 +247,9 @@ class TarfileToSamples(SourceStage):
         ordinals: dict[tuple[str, int], int],
     ) -> dict[int, dict[str, Any]]:
         if self.verify and index.crc32 is None:
-            raise IndexFormatError(url + ".idx", "verify=True needs per-sample digests; rebuild the index")
+            raise IndexFormatError(
+                url + ".idx", "verify=True needs per-sample digests; `wdsraft index SHARD` adds them"
+            )
         samples = {}
         with open(path, "rb", buffering=0) as raw:
             for offset in sorted(by_offset):
@@ -263,7 +261,9 @@ class TarfileToSamples(SourceStage):
                 if len(span) != end - offset:
                     raise ShardIntegrityError(url, offset + len(span), "the file ends inside this sample", ordinal)
                 if self.verify and span_digest(span) != index.crc32[ordinal]:  # type: ignore[index]
-                    raise ShardIntegrityError(url, offset, f"bytes {offset}:{end} differ from the index's CRC-32", ordinal)
+                    raise ShardIntegrityError(
+                        url, offset, f"bytes {offset}:{end} differ from the index's CRC-32", ordinal
+                    )
                 stream = io.BytesIO(span + bytes(2 * BLOCK))  # end-of-archive blocks after the one sample
                 reader = self._reader(url, offset, ordinal, None, block_size=len(span) + 2 * BLOCK, stream=stream)
                 sample = next(iter(reader), None)

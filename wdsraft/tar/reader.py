@@ -121,7 +121,7 @@ class ShardSampleReader:
             raise IndexFormatError(
                 self.url + INDEX_SUFFIX,
                 "verify=True needs the shard's index with per-sample digests; "
-                "build one with `wdsraft index --force`" + (" (this one predates them)" if index else ""),
+                "`wdsraft index SHARD` writes one" + (" (this one predates them)" if index else ""),
             )
         if index is not None and self._stream is None:
             _check_size(self.url, index)
@@ -213,9 +213,9 @@ class ShardSampleReader:
         except Exception as exn:
             # A format error ends the shard; the sample in hand is delivered before the error (with an
             # index: only if its group ends where the index says, i.e. it is whole).
-            if checks is not None and not isinstance(exn, ShardIntegrityError):
-                if checks.closes(ordinal, members.end_offset):
-                    verified = ordinal
+            intact = checks is not None and not isinstance(exn, ShardIntegrityError)
+            if intact and checks.closes(ordinal, members.end_offset):  # type: ignore[union-attr]
+                verified = ordinal
             if current is not None and current[ORDINAL_FIELD] <= verified:
                 for sample, next_offset, next_ordinal in held:
                     self.next_offset, self.next_ordinal = next_offset, next_ordinal
@@ -318,8 +318,9 @@ def tarfile_samples(
     """Samples from a stream of ``dict(url=...)`` shard descriptions, as webdataset's.
 
     A description may also hold ``offset`` and ``ordinal`` (from an index or a saved
-    state) to start inside the shard; an ``offset`` alone takes its ordinal from the index. Shards with an index are checked against it (see
-    :class:`ShardSampleReader`); ``verify=True`` checks every sample's digest too.
+    state) to start inside the shard; an ``offset`` alone takes its ordinal from the index.
+    Shards with an index are checked against it (see :class:`ShardSampleReader`);
+    ``verify=True`` checks every sample's digest too.
     """
     for source in src:
         url = source["url"]
