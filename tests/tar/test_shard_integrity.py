@@ -166,6 +166,10 @@ def test_more_samples_than_the_index_is_an_error(tmp_path: Path) -> None:
     seen, error = _read(url)
     assert isinstance(error, ShardIntegrityError)
     assert "bytes, its index says" in str(error) and seen == []  # (the size differs first)
+    with open(url, "rb") as stream:  # a stream handed in has no size check: the count check speaks
+        seen, error = _read(url, stream=stream, index=ShardIndex.load(short))
+    assert isinstance(error, ShardIntegrityError) and "beyond the index's 8 samples" in str(error)
+    assert error.ordinal == 8 and seen == samples[:7]  # (sample 7 ends where sample 8 starts: unlisted)
 
 
 def test_errors_keep_their_fields_across_processes() -> None:
