@@ -108,6 +108,7 @@ class TarfileToSamples(SourceStage):
         index: ShardIndex | None,
         block_size: int = 1 << 20,
         stream: IO[bytes] | None = None,
+        verify: bool | None = None,
     ) -> ShardSampleReader:
         return ShardSampleReader(
             url,
@@ -119,7 +120,7 @@ class TarfileToSamples(SourceStage):
             stream=stream,
             block_size=block_size,
             index=index,
-            verify=self.verify,
+            verify=self.verify if verify is None else verify,
         )
 
     def _samples(self, ctx: Context, src: Iterator[Any], resume: dict[str, Any] | None) -> Iterator[dict[str, Any]]:
@@ -265,7 +266,10 @@ class TarfileToSamples(SourceStage):
                         url, offset, f"bytes {offset}:{end} differ from the index's CRC-32", ordinal
                     )
                 stream = io.BytesIO(span + bytes(2 * BLOCK))  # end-of-archive blocks after the one sample
-                reader = self._reader(url, offset, ordinal, None, block_size=len(span) + 2 * BLOCK, stream=stream)
+                # (the span's digest is checked above: the reader of this one sample checks nothing more)
+                reader = self._reader(
+                    url, offset, ordinal, None, block_size=len(span) + 2 * BLOCK, stream=stream, verify=False
+                )
                 sample = next(iter(reader), None)
                 if sample is None:
                     raise StateMismatchError(f"{url}: no sample at byte {offset}")
