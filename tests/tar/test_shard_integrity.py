@@ -131,7 +131,7 @@ def test_verify_catches_a_changed_byte_and_hands_out_nothing_altered(tmp_path: P
 
 
 def test_a_rename_that_splits_a_sample_holds_both_parts_until_the_span_checks(tmp_path: Path) -> None:
-    url, samples, index = _shard(tmp_path / "split.tar")
+    url, _, index = _shard(tmp_path / "split.tar")
     where = index.offsets[3] + 512 + 512 + 512 + 5  # sample 3's .txt data (after its .json member)
     _damage(url, lambda data: data.__setitem__(where, data[where] ^ 0x40))
 

@@ -34,7 +34,7 @@ def test_a_state_does_not_resume_on_a_rewritten_shard_of_the_same_name(tmp_path:
     _write(tmp_path, "b")  # same names, same sizes and offsets, other bytes (a re-converted dataset)
     resumed = _pipeline(urls)
     resumed.load_state_dict(state)
-    with pytest.raises(wds.StateMismatchError, match="part-01.tar.*rewritten"):
+    with pytest.raises(wds.StateMismatchError, match=r"part-01\.tar.*rewritten"):
         next(iter(resumed))
 
 
