@@ -71,7 +71,11 @@ def test_a_zero_filled_tail_is_an_error_not_fewer_samples(tmp_path: Path, at: st
     seen, error = _read(url)
     assert isinstance(error, ShardIntegrityError), error
     assert url in str(error) and index.offsets[7] <= error.offset < index.offsets[8] and error.ordinal == 7
-    assert seen == samples[:7]  # whole samples only: sample 7 (cut short when torn inside it) never goes out
+    # Whole samples only: sample 7 (cut short when torn inside it) never goes out; nor does sample 6 when the
+    # archive ends right after it, as its payload may hold the first zeros of the tear. Its CRC can clear it.
+    assert seen == samples[: 7 if at == "inside" else 6]
+    verified, error = _read(url, verify=True)
+    assert isinstance(error, ShardIntegrityError) and verified == samples[:7]
 
 
 def test_a_truncated_local_file_is_an_error_before_any_sample(tmp_path: Path) -> None:

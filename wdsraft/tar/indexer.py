@@ -66,7 +66,7 @@ def build_index(url: str, checksum: bool = True, strict: bool = True) -> ShardIn
             crcs.append(digester.digest(offsets[-1], end))
         offsets.append(end)
         tail, zeros = _tail(digester, end)
-        if False and zeros and not _record_padding(end, tail):
+        if strict and zeros and not _record_padding(end, tail):
             raise ShardIntegrityError(
                 url,
                 end,

@@ -226,9 +226,11 @@ class ShardSampleReader:
         short = closed = False
         if checks is not None and not self.stopped:  # (a handler's stop: the group in hand is not whole)
             closed = checks.closes(ordinal, members.end_offset)
-            if closed:
-                verified = ordinal
             short = not closed or ordinal + 1 < count
+            # An archive that ends early on zero blocks is a torn copy: the zeros may have begun inside
+            # the last sample's payload, which its boundaries cannot show. Only its CRC can clear it.
+            if closed and (not short or digester is not None):
+                verified = ordinal
         if current is not None and current[ORDINAL_FIELD] <= verified:
             for sample, next_offset, next_ordinal in held:
                 self.next_offset, self.next_ordinal = next_offset, next_ordinal
@@ -282,9 +284,10 @@ class _Checks:
         the index says (then samples are missing after it), else it is cut short."""
         index = self.index
         if closed:
+            held = "" if self.digester is not None else f" (sample {ordinal} held back: only verify=True can clear it)"
             reason = (
                 f"the archive ends here after {ordinal + 1} samples; the index has {index.num_samples} "
-                f"ending at byte {index.offsets[-1]} (a torn or truncated copy?)"
+                f"ending at byte {index.offsets[-1]} (a torn or truncated copy?){held}"
             )
             return ShardIntegrityError(self.url, end, reason, ordinal + 1)
         expected = index.offsets[ordinal + 1] if 0 <= ordinal + 1 <= index.num_samples else index.offsets[-1]
