@@ -23,14 +23,21 @@ from tqdm import tqdm
 
 from wdsraft import __version__
 from wdsraft.core.errors import IndexFormatError, LedgerError, StateMismatchError, TarFormatError
-from wdsraft.index.manifest import MANIFEST_NAME, Manifest, ManifestEntry, manifest_for, resolve
+from wdsraft.index.manifest import MANIFEST_NAME, Manifest, ManifestEntry, manifest_for
 from wdsraft.index.shard_index import ShardIndex
 from wdsraft.io.s3 import list_objects
 from wdsraft.io.storage import local_path
 from wdsraft.ledger.cli import add_ledger_commands
 from wdsraft.tar.indexer import build_index
 from wdsraft.tar.reader import ShardSampleReader
-from wdsraft.tar.verify import ShardReport, compare_entry, compare_indexes, verify_shard
+from wdsraft.tar.verify import (
+    ShardReport,
+    compare_entry,
+    compare_indexes,
+    recorded_entries,
+    url_key,
+    verify_shard,
+)
 
 logger = logging.getLogger("wdsraft")
 
@@ -74,21 +81,6 @@ def _index_one(
     return url, index
 
 
-def _key(url: str) -> str:
-    """A URL as a dictionary key: local paths normalised (``./a/x.tar`` and ``a/x.tar`` are one shard)."""
-    path = local_path(url)
-    return os.path.normpath(path) if path is not None else url
-
-
-def _manifest_entries(manifest_url: str) -> dict[str, ManifestEntry]:
-    """The entries of an existing manifest by shard URL; none when there is no manifest (or not ours)."""
-    try:
-        manifest = Manifest.load(manifest_url)
-    except (IndexFormatError, OSError, UnicodeDecodeError):
-        return {}
-    return {_key(resolve(manifest_url, entry.url)): entry for entry in manifest.shards}
-
-
 def _common_directory(urls: Sequence[str]) -> str | None:
     directories = {posixpath.dirname(url) for url in urls}
     return directories.pop() if len(directories) == 1 else None
@@ -102,11 +94,11 @@ def cmd_index(args: argparse.Namespace) -> int:
     failures: list[str] = []
     workers = max(1, min(args.workers, len(urls)))
     target = _manifest_target(args, urls)
-    recorded = _manifest_entries(target) if target is not None and not args.force else {}
+    recorded = recorded_entries(target) if target is not None and not args.force else {}
     with ProcessPoolExecutor(max_workers=workers, initializer=_ignore_interrupts) as pool:
         futures = {
             pool.submit(
-                _index_one, url, not args.no_checksum, not args.dry_run, args.force, recorded.get(_key(url))
+                _index_one, url, not args.no_checksum, not args.dry_run, args.force, recorded.get(url_key(url))
             ): url
             for url in urls
         }
@@ -182,14 +174,14 @@ def _verify_targets(specs: Sequence[str]) -> list[tuple[str, ManifestEntry | Non
             manifest_url = spec
         elif spec.endswith("/") or (local_path(spec) is not None and os.path.isdir(spec)):
             candidate = posixpath.join(spec, MANIFEST_NAME)
-            manifest_url = candidate if _manifest_entries(candidate) else None
+            manifest_url = candidate if recorded_entries(candidate) else None
         if manifest_url is not None:
             manifest = Manifest.load(manifest_url)  # (unreadable: the user's error, one line)
             for entry, url in zip(manifest.shards, manifest.urls(manifest_url), strict=True):
-                targets.setdefault(_key(url), (url, entry))
+                targets.setdefault(url_key(url), (url, entry))
         else:
             for url in expand_urls([spec]):
-                targets.setdefault(_key(url), (url, None))
+                targets.setdefault(url_key(url), (url, None))
     return list(targets.values())
 
 
@@ -212,15 +204,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     reports.sort(key=lambda report: order[report.url])
     bad = [report for report in reports if not report.ok]
     for report in reports:
-        if not report.ok:
-            print(f"BAD {report.url}")
-            for problem in report.problems:
-                print(f"  - {problem}")
-        elif args.verbose:
-            print(f"ok  {report.url} ({report.num_samples} samples)")
-        if args.verbose:
-            for note in report.notes:
-                print(f"  note: {note}")
+        for line in report.lines(verbose=args.verbose):
+            print(line)
     unchecked = sum(1 for report in reports if report.notes)
     samples = sum(report.num_samples or 0 for report in reports)
     summary = f"verified {len(reports)} shards, {samples} samples: "

@@ -3,11 +3,13 @@ shard, compared field by field with what was recorded when it was written."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from wdsraft.core.errors import IndexFormatError, TarFormatError
-from wdsraft.index.manifest import ManifestEntry
+from wdsraft.index.manifest import Manifest, ManifestEntry, resolve
 from wdsraft.index.shard_index import ShardIndex
+from wdsraft.io.storage import local_path
 from wdsraft.tar.indexer import build_index
 
 MAX_LISTED = 5  # bad samples named per shard; the rest are counted
@@ -25,6 +27,14 @@ class ShardReport:
     @property
     def ok(self) -> bool:
         return not self.problems
+
+    def lines(self, verbose: bool = False) -> list[str]:
+        """The report as printed by ``wdsraft verify``: a bad shard with each problem; good ones if verbose."""
+        lines = [f"BAD {self.url}", *(f"  - {problem}" for problem in self.problems)] if self.problems else []
+        if verbose:
+            lines += [] if self.problems else [f"ok  {self.url} ({self.num_samples} samples)"]
+            lines += [f"  note: {note}" for note in self.notes]
+        return lines
 
 
 def verify_shard(url: str, entry: ManifestEntry | None = None, checksum: bool = True) -> ShardReport:
@@ -89,3 +99,18 @@ def compare_entry(actual: ShardIndex, entry: ManifestEntry) -> list[str]:
     if actual.num_samples != entry.num_samples:
         problems.append(f"{actual.num_samples} samples, the manifest says {entry.num_samples}")
     return problems
+
+
+def url_key(url: str) -> str:
+    """A URL as a dictionary key: local paths normalised (``./a/x.tar`` and ``a/x.tar`` are one shard)."""
+    path = local_path(url)
+    return os.path.normpath(path) if path is not None else url
+
+
+def recorded_entries(manifest_url: str) -> dict[str, ManifestEntry]:
+    """The entries of an existing manifest by shard URL; none when there is no manifest (or not ours)."""
+    try:
+        manifest = Manifest.load(manifest_url)
+    except (IndexFormatError, OSError, UnicodeDecodeError):
+        return {}
+    return {url_key(resolve(manifest_url, entry.url)): entry for entry in manifest.shards}
