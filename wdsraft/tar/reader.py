@@ -158,6 +158,9 @@ class ShardSampleReader:
         count = index.num_samples if index is not None else 0
         verified = ordinal if checks is not None else sys.maxsize
         held: list[tuple[dict[str, Any], int, int]] = []
+        # Without a rename, a sample goes out when the next group starts, just after that group's check:
+        # only a rename can hand one out earlier, so only then is the test below needed.
+        holding = checks is not None and rename is not None
         try:
             for name, offset, data in _members(members):
                 if (name[:2] == "__" or not meta_prefix_only) and self._is_meta(name):
@@ -193,7 +196,7 @@ class ShardSampleReader:
                     # mid-group starts at its own first member (resuming there yields it first).
                     start = group_offset if current is None or current[OFFSET_FIELD] != group_offset else offset
                     if current is not None:
-                        if current[ORDINAL_FIELD] <= verified:
+                        if not holding or current[ORDINAL_FIELD] <= verified:
                             self.next_offset, self.next_ordinal = start, max(ordinal, 0)
                             yield current
                         else:
