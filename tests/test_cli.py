@@ -504,7 +504,9 @@ def test_verify_passes_a_dataset_as_written(tmp_path: Path, capsys) -> None:
 
 
 def test_verify_names_each_bad_shard_with_what_and_where(tmp_path: Path, capsys) -> None:
-    urls = _dataset(tmp_path / "ds", shards=4)
+    urls = _dataset(tmp_path / "ds", shards=5)
+    size = Path(urls[4]).stat().st_size
+    Path(urls[4]).write_bytes(Path(urls[4]).read_bytes()[:3000])  # truncated: unreadable past 3000
     flipped = wdsraft.ShardIndex.load(urls[0]).offsets[6]
     _flip(urls[0], 6)
     tear = _tear(urls[1], 4)
@@ -515,11 +517,12 @@ def test_verify_names_each_bad_shard_with_what_and_where(tmp_path: Path, capsys)
     assert cli.main(["verify", str(manifest_path), "-q", "--workers", "2"]) == 1
     out = capsys.readouterr().out
     blocks = {block.split("\n")[0]: block for block in out.split("BAD ")[1:]}
-    assert set(blocks) == {urls[0], urls[1], urls[2]}, out
+    assert set(blocks) == {urls[0], urls[1], urls[2], urls[4]}, out
+    assert "truncated" in blocks[urls[4]] and f"3000 bytes, the index says {size}" in blocks[urls[4]]
     assert f"sample 6 (bytes {flipped}:" in blocks[urls[0]] and "CRC-32 differs" in blocks[urls[0]]
     assert f"at byte offset {tear}" in blocks[urls[1]] and "torn copy" in blocks[urls[1]]
     assert "10 samples, the manifest says 11" in blocks[urls[2]]
-    assert "4 shards, " in out and ": 3 bad" in out
+    assert "5 shards, " in out and ": 4 bad" in out
 
 
 def test_verify_an_s3_prefix(tmp_path: Path, s3_bucket, capsys) -> None:

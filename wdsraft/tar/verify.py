@@ -53,6 +53,9 @@ def verify_shard(url: str, entry: ManifestEntry | None = None, checksum: bool = 
         return report
     except (TarFormatError, OSError) as exn:
         report.problems.append(str(exn))
+        path = local_path(url)
+        if recorded is not None and path is not None and os.path.getsize(path) != recorded.size:
+            report.problems.append(f"{os.path.getsize(path)} bytes, the index says {recorded.size}")
         return report
     report.num_samples = actual.num_samples
     if recorded is not None:
