@@ -330,7 +330,17 @@ def _commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
 
 def test_every_command_has_a_description_and_a_help_line() -> None:
     found = {" ".join(path): (sub, help) for path, sub, help in _commands(cli.build_parser())}
-    expected = ["index", "ls", "convert", "ledger", "ledger show", "ledger merge", "ledger rewind", "ledger export"]
+    expected = [
+        "index",
+        "verify",
+        "ls",
+        "convert",
+        "ledger",
+        "ledger show",
+        "ledger merge",
+        "ledger rewind",
+        "ledger export",
+    ]
     assert sorted(found) == sorted(expected)
     for name, (sub, help) in found.items():
         assert sub.description and len(sub.description) > 40, name
@@ -457,3 +467,125 @@ def test_sbatch_scripts_run_outside_slurm(tmp_path: Path) -> None:
     refused = sbatch(preshuffle, str(tmp_path / "none-*.jsonl"), str(tmp_path / "out"))
     assert refused.returncode == 1
     assert_one_line_error(refused.stderr, "no input matches")
+
+
+# -- wdsraft verify, and wdsraft index on damaged shards -------------------------------------------
+
+
+def _dataset(directory: Path, shards: int = 3, per_shard: int = 10) -> list[str]:
+    directory.mkdir(parents=True, exist_ok=True)
+    with wdsraft.ShardWriter(str(directory / "ds-%02d.tar"), maxcount=per_shard, verbose=0) as sink:
+        for n in range(shards * per_shard):
+            sink.write({"__key__": f"{n:05d}", "txt": f"document {n} " * (n + 3)})
+    return sorted(str(p) for p in directory.glob("ds-*.tar"))
+
+
+def _flip(url: str, ordinal: int) -> int:
+    where = wdsraft.ShardIndex.load(url).offsets[ordinal] + 512 + 2
+    data = bytearray(Path(url).read_bytes())
+    data[where] ^= 0x01
+    Path(url).write_bytes(bytes(data))
+    return where
+
+
+def _tear(url: str, ordinal: int) -> int:
+    tear = wdsraft.ShardIndex.load(url).offsets[ordinal]
+    data = Path(url).read_bytes()
+    Path(url).write_bytes(data[:tear] + bytes(len(data) - tear))
+    return tear
+
+
+def test_verify_passes_a_dataset_as_written(tmp_path: Path, capsys) -> None:
+    urls = _dataset(tmp_path / "ds")
+    assert cli.main(["verify", str(tmp_path / "ds"), "-q", "--workers", "2"]) == 0
+    assert "verified 3 shards, 30 samples: all as recorded" in capsys.readouterr().out
+    assert cli.main(["verify", *urls, "-q", "-v", "--workers", "1"]) == 0
+    assert all(f"ok  {url} (10 samples)" in capsys.readouterr().out for url in urls[:1])
+
+
+def test_verify_names_each_bad_shard_with_what_and_where(tmp_path: Path, capsys) -> None:
+    urls = _dataset(tmp_path / "ds", shards=5)
+    size = Path(urls[4]).stat().st_size
+    Path(urls[4]).write_bytes(Path(urls[4]).read_bytes()[:3000])  # truncated: unreadable past 3000
+    flipped = wdsraft.ShardIndex.load(urls[0]).offsets[6]
+    _flip(urls[0], 6)
+    tear = _tear(urls[1], 4)
+    manifest_path = tmp_path / "ds" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["shardlist"][2]["nsamples"] = 11  # the manifest disagrees with shard 2 (and its index)
+    manifest_path.write_text(json.dumps(manifest))
+    assert cli.main(["verify", str(manifest_path), "-q", "--workers", "2"]) == 1
+    out = capsys.readouterr().out
+    blocks = {block.split("\n")[0]: block for block in out.split("BAD ")[1:]}
+    assert set(blocks) == {urls[0], urls[1], urls[2], urls[4]}, out
+    assert "truncated" in blocks[urls[4]] and f"3000 bytes, the index says {size}" in blocks[urls[4]]
+    assert f"sample 6 (bytes {flipped}:" in blocks[urls[0]] and "CRC-32 differs" in blocks[urls[0]]
+    assert f"at byte offset {tear}" in blocks[urls[1]] and "torn copy" in blocks[urls[1]]
+    assert "10 samples, the manifest says 11" in blocks[urls[2]]
+    assert "5 shards, " in out and ": 4 bad" in out
+
+
+def test_verify_an_s3_prefix(tmp_path: Path, s3_bucket, capsys) -> None:
+    import boto3
+
+    urls = _dataset(tmp_path / "ds")
+    client = boto3.client("s3")
+    for path in (tmp_path / "ds").iterdir():
+        client.put_object(Bucket=s3_bucket, Key=f"ds/{path.name}", Body=path.read_bytes())
+    assert cli.main(["verify", f"s3://{s3_bucket}/ds/", "-q", "--workers", "2"]) == 0
+    assert "verified 3 shards, 30 samples" in capsys.readouterr().out
+    _flip(urls[1], 3)
+    client.put_object(Bucket=s3_bucket, Key="ds/ds-01.tar", Body=Path(urls[1]).read_bytes())
+    manifest = json.loads((tmp_path / "ds" / "manifest.json").read_text())
+    manifest["shardlist"][2]["nsamples"] = 9  # the prefix's manifest is read too
+    client.put_object(Bucket=s3_bucket, Key="ds/manifest.json", Body=json.dumps(manifest).encode())
+    assert cli.main(["verify", f"s3://{s3_bucket}/ds/", "-q", "--workers", "2"]) == 1
+    out = capsys.readouterr().out
+    assert f"BAD s3://{s3_bucket}/ds/ds-01.tar" in out and "sample 3 (bytes" in out
+    assert f"BAD s3://{s3_bucket}/ds/ds-02.tar" in out and "10 samples, the manifest says 9" in out
+
+
+def test_verify_with_no_shards_is_a_one_line_error(tmp_path: Path) -> None:
+    process = wdsraft_process("verify", str(tmp_path / "none-*.tar"), "-q")
+    assert process.returncode == 1
+    assert_one_line_error(process.stderr, "no shards match")
+
+
+def test_index_refuses_a_shard_that_disagrees_with_its_index(tmp_path: Path, capsys) -> None:
+    urls = _dataset(tmp_path / "ds")
+    before = Path(urls[1] + ".idx").read_bytes()
+    _flip(urls[1], 2)
+    assert cli.main(["index", *urls, "-q", "--workers", "1", "--manifest", "none"]) == 1
+    err = capsys.readouterr().err
+    assert f"{urls[1]}: the shard disagrees with what was recorded" in err and "--force" in err
+    assert "CRC-32 differs from its index's: sample 2" in err
+    assert Path(urls[1] + ".idx").read_bytes() == before  # not replaced
+    assert cli.main(["index", *urls, "-q", "--workers", "1", "--manifest", "none", "--force"]) == 0
+    assert Path(urls[1] + ".idx").read_bytes() != before
+
+
+def test_index_refuses_a_torn_shard_even_without_an_index(tmp_path: Path, capsys) -> None:
+    urls = _dataset(tmp_path / "ds", per_shard=40)
+    tear = _tear(urls[0], 12)
+    Path(urls[0] + ".idx").unlink()
+    (tmp_path / "ds" / "manifest.json").unlink()
+    assert cli.main(["index", urls[0], "-q", "--workers", "1"]) == 1
+    err = capsys.readouterr().err
+    assert f"{urls[0]}: the archive ends here after 12 samples" in err and f"at byte offset {tear}" in err
+    assert not Path(urls[0] + ".idx").exists()
+    assert cli.main(["index", urls[0], "-q", "--workers", "1", "--force"]) == 0
+    assert wdsraft.ShardIndex.load(urls[0]).num_samples == 12
+
+
+def test_index_refuses_a_shard_that_disagrees_with_the_manifest(tmp_path: Path, capsys) -> None:
+    urls = _dataset(tmp_path / "ds")
+    for url in urls:
+        Path(url + ".idx").unlink()
+    manifest_path = tmp_path / "ds" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["shardlist"][0]["filesize"] += 512
+    manifest_path.write_text(json.dumps(manifest))
+    assert cli.main(["index", *urls, "-q", "--workers", "1"]) == 1
+    assert "the manifest says" in capsys.readouterr().err
+    assert json.loads(manifest_path.read_text()) == manifest  # not overwritten
+    assert cli.main(["index", str(tmp_path / "ds"), "-q", "--workers", "1", "--force"]) == 0

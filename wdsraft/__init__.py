@@ -39,7 +39,13 @@ from webdataset.writer import numpy_dumps, torch_dumps
 from wdsraft import autodecode, cache, extradatasets, handlers, llm, mix, pytorch  # noqa: F401 - submodules
 from wdsraft.compat import FluidInterface, FluidWrapper, WebDataset, WebLoader
 from wdsraft.core import distributed  # noqa: F401 - submodule, as before the move
-from wdsraft.core.errors import IndexFormatError, LedgerError, StateMismatchError, TarFormatError
+from wdsraft.core.errors import (
+    IndexFormatError,
+    LedgerError,
+    ShardIntegrityError,
+    StateMismatchError,
+    TarFormatError,
+)
 from wdsraft.core.fields import Position
 from wdsraft.filters import (
     Cached,
@@ -119,6 +125,7 @@ __all__ = [
     "ResampledShards",
     "RoundRobin",
     "ShardIndex",
+    "ShardIntegrityError",
     "ShardSampleReader",
     "ShardWriter",
     "SimpleShardList",

@@ -23,12 +23,21 @@ from tqdm import tqdm
 
 from wdsraft import __version__
 from wdsraft.core.errors import IndexFormatError, LedgerError, StateMismatchError, TarFormatError
-from wdsraft.index.manifest import MANIFEST_NAME, Manifest, manifest_for
+from wdsraft.index.manifest import MANIFEST_NAME, Manifest, ManifestEntry, manifest_for
 from wdsraft.index.shard_index import ShardIndex
 from wdsraft.io.s3 import list_objects
+from wdsraft.io.storage import local_path
 from wdsraft.ledger.cli import add_ledger_commands
 from wdsraft.tar.indexer import build_index
 from wdsraft.tar.reader import ShardSampleReader
+from wdsraft.tar.verify import (
+    ShardReport,
+    compare_entry,
+    compare_indexes,
+    recorded_entries,
+    url_key,
+    verify_shard,
+)
 
 logger = logging.getLogger("wdsraft")
 
@@ -53,8 +62,20 @@ def expand_urls(specs: Sequence[str]) -> list[str]:
     return urls
 
 
-def _index_one(url: str, checksum: bool, save: bool) -> tuple[str, ShardIndex]:
-    index = build_index(url, checksum=checksum)
+def _index_one(
+    url: str, checksum: bool, save: bool, force: bool = False, entry: ManifestEntry | None = None
+) -> tuple[str, ShardIndex]:
+    index = build_index(url, checksum=checksum, strict=not force)
+    if not force:  # a damaged shard must not be re-indexed as a shorter, valid-looking one
+        existing = ShardIndex.beside(url)
+        problems = compare_indexes(index, existing, "its index") if existing is not None else []
+        problems += compare_entry(index, entry) if entry is not None else []
+        if problems:
+            raise IndexFormatError(
+                url,
+                f"the shard disagrees with what was recorded for it ({'; '.join(problems)}): damaged, or "
+                "rewritten? `wdsraft verify` reports it; `wdsraft index --force` indexes it as it is now",
+            )
     if save:
         index.save(url)
     return url, index
@@ -72,8 +93,15 @@ def cmd_index(args: argparse.Namespace) -> int:
     results: dict[str, ShardIndex] = {}
     failures: list[str] = []
     workers = max(1, min(args.workers, len(urls)))
+    target = _manifest_target(args, urls)
+    recorded = recorded_entries(target) if target is not None and not args.force else {}
     with ProcessPoolExecutor(max_workers=workers, initializer=_ignore_interrupts) as pool:
-        futures = {pool.submit(_index_one, url, not args.no_checksum, not args.dry_run): url for url in urls}
+        futures = {
+            pool.submit(
+                _index_one, url, not args.no_checksum, not args.dry_run, args.force, recorded.get(url_key(url))
+            ): url
+            for url in urls
+        }
         progress = tqdm(as_completed(futures), total=len(futures), unit="shard", desc="indexing", disable=args.quiet)
         try:
             for future in progress:
@@ -98,11 +126,10 @@ def cmd_index(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     elif results and args.manifest != "none" and not args.dry_run:
-        directory = _common_directory(urls) if args.manifest == "auto" else posixpath.dirname(args.manifest)
-        if directory is None:
+        if target is None:
             logger.warning("shards lie in several directories: pass --manifest PATH to write a manifest")
         else:
-            target = posixpath.join(directory, MANIFEST_NAME) if args.manifest == "auto" else args.manifest
+            directory = posixpath.dirname(target)
             refused = _written_by_convert(target)
             if refused:
                 print(
@@ -119,12 +146,75 @@ def cmd_index(args: argparse.Namespace) -> int:
     return 1 if failures or refused else 0
 
 
+def _manifest_target(args: argparse.Namespace, urls: Sequence[str]) -> str | None:
+    """Where `wdsraft index` writes its manifest (None: nowhere, or no common directory for 'auto')."""
+    if args.manifest == "none":
+        return None
+    if args.manifest != "auto":
+        return str(args.manifest)
+    directory = _common_directory(urls)
+    return posixpath.join(directory, MANIFEST_NAME) if directory is not None else None
+
+
 def _written_by_convert(manifest_url: str) -> bool:
     try:
         manifest = Manifest.load(manifest_url)
     except (IndexFormatError, OSError, UnicodeDecodeError):  # absent, or not a manifest of ours: replaced
         return False
     return manifest.inputs is not None or manifest.conversion is not None
+
+
+def _verify_targets(specs: Sequence[str]) -> list[tuple[str, ManifestEntry | None]]:
+    """Shards to verify, each with its manifest entry where a manifest names it: a MANIFEST.json gives its
+    shards; a directory or s3 prefix gives the shards of its manifest.json, else the shards in it."""
+    targets: dict[str, tuple[str, ManifestEntry | None]] = {}
+    for spec in specs:
+        manifest_url = None
+        if spec.endswith(".json"):
+            manifest_url = spec
+        elif spec.endswith("/") or (local_path(spec) is not None and os.path.isdir(spec)):
+            candidate = posixpath.join(spec, MANIFEST_NAME)
+            manifest_url = candidate if recorded_entries(candidate) else None
+        if manifest_url is not None:
+            manifest = Manifest.load(manifest_url)  # (unreadable: the user's error, one line)
+            for entry, url in zip(manifest.shards, manifest.urls(manifest_url), strict=True):
+                targets.setdefault(url_key(url), (url, entry))
+        else:
+            for url in expand_urls([spec]):
+                targets.setdefault(url_key(url), (url, None))
+    return list(targets.values())
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    targets = _verify_targets(args.targets)
+    if not targets:
+        raise ValueError(f"no shards match {' '.join(args.targets)}")
+    reports: list[ShardReport] = []
+    workers = max(1, min(args.workers, len(targets)))
+    with ProcessPoolExecutor(max_workers=workers, initializer=_ignore_interrupts) as pool:
+        futures = [pool.submit(verify_shard, url, entry, not args.no_checksum) for url, entry in targets]
+        progress = tqdm(as_completed(futures), total=len(futures), unit="shard", desc="verifying", disable=args.quiet)
+        try:
+            for future in progress:
+                reports.append(future.result())
+        except KeyboardInterrupt:
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+    order = {url: n for n, (url, _) in enumerate(targets)}
+    reports.sort(key=lambda report: order[report.url])
+    bad = [report for report in reports if not report.ok]
+    for report in reports:
+        for line in report.lines(verbose=args.verbose):
+            print(line)
+    unchecked = sum(1 for report in reports if report.notes)
+    samples = sum(report.num_samples or 0 for report in reports)
+    summary = f"verified {len(reports)} shards, {samples} samples: "
+    print(summary + (f"{len(bad)} bad" if bad else "all as recorded"))
+    if unchecked:
+        print(
+            f"{unchecked} shards have indexes without per-sample digests (not checked sample by sample; -v names them)"
+        )
+    return 1 if bad else 0
 
 
 def _ignore_interrupts() -> None:
@@ -272,10 +362,12 @@ def build_parser() -> argparse.ArgumentParser:
         parents=parents,
         help="build the index (.idx) of shards written by someone else, and a manifest",
         description=(
-            "Read each shard once and write SHARD.idx beside it (sample count, byte offset of every sample, "
-            "size, sha256), then a manifest.json listing the shards. URLs may be local paths, globs, "
+            "Read each shard once and write SHARD.idx beside it (sample count, byte offset and CRC-32 of every "
+            "sample, size, sha256), then a manifest.json listing the shards. URLs may be local paths, globs, "
             "directories, brace patterns ('shard-{000000..000099}.tar'), s3://bucket/key or an s3:// prefix "
-            "ending in '/'. S3 endpoints come from AWS_ENDPOINT_URL(_S3)."
+            "ending in '/'. S3 endpoints come from AWS_ENDPOINT_URL(_S3). A shard that disagrees with its "
+            "existing index or manifest entry (size, sha256, samples), or whose archive ends early in a long "
+            "run of zeros (a torn copy), is refused unless --force."
         ),
     )
     index.add_argument("urls", nargs="+", metavar="URL", help="shards to index")
@@ -289,7 +381,30 @@ def build_parser() -> argparse.ArgumentParser:
     index.add_argument("--name", default="dataset", help="dataset name recorded in the manifest")
     index.add_argument("--no-checksum", action="store_true", help="skip the sha256 of each shard")
     index.add_argument("--dry-run", action="store_true", help="read and report, write nothing")
+    index.add_argument(
+        "--force",
+        action="store_true",
+        help="index shards as they are now even where they disagree with their existing index or manifest "
+        "entry, or end in a long run of zeros (a torn copy)",
+    )
     index.set_defaults(func=cmd_index)
+
+    verify = commands.add_parser(
+        "verify",
+        parents=parents,
+        help="check shards against their indexes and manifest (sizes, sha256, samples, per-sample CRC-32)",
+        description=(
+            "Read each shard once and compare it with its SHARD.idx and its manifest entry: size, sha256, "
+            "sample count, where each sample starts, and each sample's CRC-32 (indexes written by wdsraft "
+            "since they have them). TARGET is a manifest (.json), a directory or s3:// prefix ending in '/' "
+            "(its manifest.json if it has one, else the shards in it), or shard URLs, globs and brace patterns. "
+            "Prints each bad shard with what differs and where; exits 1 if any is bad."
+        ),
+    )
+    verify.add_argument("targets", nargs="+", metavar="TARGET", help="manifests, directories or shards")
+    verify.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="parallel processes (default: cores)")
+    verify.add_argument("--no-checksum", action="store_true", help="skip the sha256 of each shard (faster)")
+    verify.set_defaults(func=cmd_verify)
 
     ls = commands.add_parser(
         "ls",

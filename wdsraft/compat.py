@@ -93,7 +93,8 @@ class WebDataset(DataPipeline, FluidInterface):
     seed is drawn (as webdataset does) and carried in the state, so a restore into a
     fresh ``WebDataset`` built the same way continues with it. The shard order changes
     every epoch (epoch 0 is webdataset's); ``reshuffle_each_epoch=False`` keeps
-    webdataset's same-order-every-epoch behaviour.
+    webdataset's same-order-every-epoch behaviour. Shards with an index are checked against
+    it as they are read; ``verify=True`` also checks each sample's CRC-32 (see ``ShardSampleReader``).
     """
 
     def __init__(
@@ -116,6 +117,7 @@ class WebDataset(DataPipeline, FluidInterface):
         verbose: bool = False,
         seed: Any = None,
         reshuffle_each_epoch: bool = True,
+        verify: bool = False,
     ):
         super().__init__()
         if resampled:
@@ -150,7 +152,9 @@ class WebDataset(DataPipeline, FluidInterface):
                 )
             self.append(self.shard_shuffle)
         self.append(
-            TarfileToSamples(handler=handler, select_files=select_files, rename_files=rename_files, local_path=True)
+            TarfileToSamples(
+                handler=handler, select_files=select_files, rename_files=rename_files, local_path=True, verify=verify
+            )
         )
         if empty_check:
             self.append(filters.check_empty())

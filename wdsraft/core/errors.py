@@ -40,3 +40,21 @@ class StateMismatchError(ValueError):
 
 class LedgerError(IndexFormatError):
     """A ledger file is unreadable, torn, foreign, or does not belong to this ledger."""
+
+
+class ShardIntegrityError(TarFormatError):
+    """A shard disagrees with its index: a sample not where the index puts it, fewer or more samples,
+    an archive ending early (a torn copy), another size, or a sample whose bytes changed.
+
+    Subclasses ``TarFormatError`` (so handlers that skip damaged shards skip these too) and names the
+    shard, the byte offset and, where one is known, the sample's ordinal as the shard was written.
+    """
+
+    def __init__(self, url: str, offset: int, reason: str, ordinal: int | None = None):
+        where = f"sample {ordinal}: " if ordinal is not None else ""
+        super().__init__(url, offset, where + reason)
+        self.reason = reason
+        self.ordinal = ordinal
+
+    def __reduce__(self):
+        return (type(self), (self.url, self.offset, self.reason, self.ordinal))

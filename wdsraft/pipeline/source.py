@@ -1,8 +1,10 @@
 """The checkpointable source: ``TarfileToSamples`` turns a stream of shard URLs into samples.
 
-Its state is how many shards it has started this epoch, the current shard, and the byte
-offset and ordinal of the next sample: resuming seeks straight there. Items it hands out
-are addressed by ``(url, ordinal, offset)``.
+Its state is how many shards it has started this epoch, the current shard (and, where its
+index gives it, the shard's identity: sha256, else size and sample count), and the byte
+offset and ordinal of the next sample: resuming seeks straight there, after checking that the
+shard is still the one the state was taken on. Items it hands out are addressed by
+``(url, ordinal, offset)``.
 """
 
 from __future__ import annotations
@@ -15,10 +17,10 @@ from typing import IO, Any, Protocol
 
 from webdataset.handlers import reraise_exception
 
-from wdsraft.core.errors import IndexFormatError, StateMismatchError
+from wdsraft.core.errors import IndexFormatError, ShardIntegrityError, StateMismatchError
 from wdsraft.core.fields import OFFSET_FIELD, ORDINAL_FIELD
 from wdsraft.core.state import describe
-from wdsraft.index.shard_index import ShardIndex
+from wdsraft.index.shard_index import ShardIndex, span_digest
 from wdsraft.io.storage import local_path
 from wdsraft.pipeline.addresses import Address
 from wdsraft.pipeline.stage import Context, SourceStage
@@ -54,6 +56,10 @@ class TarfileToSamples(SourceStage):
     byte offset and ordinal of the next sample: resuming seeks straight there. Items it
     hands out are addressed by ``(url, ordinal, offset)``, so buffering stages downstream
     save positions and re-read them on restore.
+
+    Each shard's index (``SHARD.idx`` beside a local or S3 shard) is loaded once when the shard
+    starts; readers check the shard against it as they go (see ``ShardSampleReader``), and
+    ``verify=True`` checks every sample's CRC-32 too, re-reads by ``rematerialize`` included.
     """
 
     def __init__(
@@ -62,8 +68,10 @@ class TarfileToSamples(SourceStage):
         select_files: Callable[[str], bool] | None = None,
         rename_files: Callable[[str], str] | None = None,
         local_path: bool = False,
+        verify: bool = False,
     ):
         self.handler = handler
+        self.verify = verify  # (not in config(): it changes no sample, only whether damage is found)
         self.select_files = select_files
         self.rename_files = rename_files
         self.local_path = local_path  # add __local_path__ for local shards, as webdataset.WebDataset does
@@ -72,7 +80,7 @@ class TarfileToSamples(SourceStage):
 
     @staticmethod
     def _fresh() -> dict[str, Any]:
-        return {"shards_started": 0, "url": None, "offset": 0, "ordinal": 0, "done": False}
+        return {"shards_started": 0, "url": None, "offset": 0, "ordinal": 0, "done": False, "shard": None}
 
     def config(self) -> dict[str, Any]:
         return {
@@ -93,7 +101,14 @@ class TarfileToSamples(SourceStage):
         return self._samples(ctx, src, state)
 
     def _reader(
-        self, url: str, offset: int, ordinal: int, block_size: int = 1 << 20, stream: IO[bytes] | None = None
+        self,
+        url: str,
+        offset: int,
+        ordinal: int,
+        index: ShardIndex | None,
+        block_size: int = 1 << 20,
+        stream: IO[bytes] | None = None,
+        verify: bool | None = None,
     ) -> ShardSampleReader:
         return ShardSampleReader(
             url,
@@ -104,6 +119,8 @@ class TarfileToSamples(SourceStage):
             rename_files=self.rename_files,
             stream=stream,
             block_size=block_size,
+            index=index,
+            verify=self.verify if verify is None else verify,
         )
 
     def _samples(self, ctx: Context, src: Iterator[Any], resume: dict[str, Any] | None) -> Iterator[dict[str, Any]]:
@@ -112,9 +129,7 @@ class TarfileToSamples(SourceStage):
         for source in src:
             url = source["url"] if isinstance(source, dict) else source
             started += 1
-            offset, ordinal = (
-                (source.get("offset", 0), source.get("ordinal", 0)) if isinstance(source, dict) else (0, 0)
-            )
+            offset, ordinal = (source.get("offset", 0), source.get("ordinal")) if isinstance(source, dict) else (0, 0)
             if resume is not None and started <= resume["shards_started"]:
                 if started < resume["shards_started"]:
                     continue  # finished before the checkpoint: not even opened
@@ -126,11 +141,17 @@ class TarfileToSamples(SourceStage):
                 offset, ordinal = resume["offset"], resume["ordinal"]
                 if resume["done"]:
                     continue
-            live.update(shards_started=started, url=url, offset=offset, ordinal=ordinal, done=False)
+            index = ShardIndex.beside(url)  # once per shard: the readers check against it
+            identity = index.identity if index is not None else None
+            if ordinal is None:  # an offset without its ordinal: the index knows it (else 0, as before indexes)
+                ordinal = (index.ordinal_at(offset) if index is not None else None) or 0
+            if resume is not None and started == resume["shards_started"]:
+                _same_shard(url, resume.get("shard"), identity)
+            live.update(shards_started=started, url=url, offset=offset, ordinal=ordinal, done=False, shard=identity)
             local = local_path(url) if self.local_path else None
             stopped = False
             try:
-                for reader in self._readers(ctx, url, offset, ordinal):
+                for reader in self._readers(ctx, url, offset, ordinal, index):
                     for sample in reader:
                         live["offset"], live["ordinal"] = reader.next_offset, reader.next_ordinal
                         if local is not None:
@@ -152,19 +173,18 @@ class TarfileToSamples(SourceStage):
                 f"the saved state had started {resume['shards_started']} shards this epoch, but only {started} remain"
             )
 
-    def _readers(self, ctx: Context, url: str, offset: int, ordinal: int) -> Iterator[Any]:
+    def _readers(self, ctx: Context, url: str, offset: int, ordinal: int, index: ShardIndex | None) -> Iterator[Any]:
         """Readers over what is left to read of a shard: all of it, or -- with a ledger's consumed set
         (elastic resume) -- the runs of samples not yet consumed, found through the shard index so
         consumed samples are not even read, and fully consumed shards not opened."""
         consumed = ctx.skip.skipped_in(url) if ctx.skip is not None else None
         if consumed is None:
-            yield self._marking(ctx, url, self._reader(url, offset, ordinal))
+            yield self._marking(ctx, url, self._reader(url, offset, ordinal, index))
             return
-        try:
-            offsets = ShardIndex.load(url).offsets
-        except IndexFormatError:  # no index: read everything and drop what was consumed
-            yield _Filtered(self._marking(ctx, url, self._reader(url, offset, ordinal)), consumed)
+        if index is None:  # no index: read everything and drop what was consumed
+            yield _Filtered(self._marking(ctx, url, self._reader(url, offset, ordinal, None)), consumed)
             return
+        offsets = index.offsets
         run_start = ordinal
         total = len(offsets) - 1
         while run_start < total:
@@ -174,7 +194,7 @@ class TarfileToSamples(SourceStage):
             while run_end < total and run_end not in consumed:
                 run_end += 1
             if run_start < run_end:
-                reader = self._reader(url, offsets[run_start], run_start)
+                reader = self._reader(url, offsets[run_start], run_start, index)
                 yield _Bounded(self._marking(ctx, url, reader), run_end)
             run_start = run_end
 
@@ -199,9 +219,15 @@ class TarfileToSamples(SourceStage):
         found: list[Any] = [None] * len(addresses)
         for url, by_offset in wanted.items():
             local = local_path(url)
-            samples = self._read_spans(url, local, by_offset, ordinals) if local is not None else None
+            try:
+                index = ShardIndex.beside(url)
+            except OSError:
+                index = None  # (the shard's own read reports what is wrong)
+            samples = None
+            if local is not None and index is not None and index.compression is None:
+                samples = self._read_spans(url, local, index, by_offset, ordinals)
             if samples is None:
-                samples = self._read_runs(url, by_offset, ordinals)
+                samples = self._read_runs(url, index, by_offset, ordinals)
             marks = self._skip.marks_in(url) if self._skip is not None else None
             for offset, sample in samples.items():
                 if self.local_path and local is not None:
@@ -214,23 +240,36 @@ class TarfileToSamples(SourceStage):
         return found
 
     def _read_spans(
-        self, url: str, path: str, by_offset: dict[int, list[int]], ordinals: dict[tuple[str, int], int]
-    ) -> dict[int, dict[str, Any]] | None:
-        try:
-            index = ShardIndex.load(url)
-        except (IndexFormatError, OSError):
-            return None
-        if index.compression is not None:
-            return None
+        self,
+        url: str,
+        path: str,
+        index: ShardIndex,
+        by_offset: dict[int, list[int]],
+        ordinals: dict[tuple[str, int], int],
+    ) -> dict[int, dict[str, Any]]:
+        if self.verify and index.crc32 is None:
+            raise IndexFormatError(
+                url + ".idx", "verify=True needs per-sample digests; `wdsraft index SHARD` adds them"
+            )
         samples = {}
         with open(path, "rb", buffering=0) as raw:
             for offset in sorted(by_offset):
                 ordinal = ordinals[url, offset]
                 if index.offset_of(ordinal) != offset:
                     raise StateMismatchError(f"{url}: sample {ordinal} is not at byte {offset}: the shard changed")
-                span = os.pread(raw.fileno(), index.offsets[ordinal + 1] - offset, offset)
+                end = index.offsets[ordinal + 1]
+                span = os.pread(raw.fileno(), end - offset, offset)
+                if len(span) != end - offset:
+                    raise ShardIntegrityError(url, offset + len(span), "the file ends inside this sample", ordinal)
+                if self.verify and span_digest(span) != index.crc32[ordinal]:  # type: ignore[index]
+                    raise ShardIntegrityError(
+                        url, offset, f"bytes {offset}:{end} differ from the index's CRC-32", ordinal
+                    )
                 stream = io.BytesIO(span + bytes(2 * BLOCK))  # end-of-archive blocks after the one sample
-                reader = self._reader(url, offset, ordinal, block_size=len(span) + 2 * BLOCK, stream=stream)
+                # (the span's digest is checked above: the reader of this one sample checks nothing more)
+                reader = self._reader(
+                    url, offset, ordinal, None, block_size=len(span) + 2 * BLOCK, stream=stream, verify=False
+                )
                 sample = next(iter(reader), None)
                 if sample is None:
                     raise StateMismatchError(f"{url}: no sample at byte {offset}")
@@ -238,12 +277,16 @@ class TarfileToSamples(SourceStage):
         return samples
 
     def _read_runs(
-        self, url: str, by_offset: dict[int, list[int]], ordinals: dict[tuple[str, int], int]
+        self,
+        url: str,
+        index: ShardIndex | None,
+        by_offset: dict[int, list[int]],
+        ordinals: dict[tuple[str, int], int],
     ) -> dict[int, dict[str, Any]]:
         samples = {}
         for run in _runs(sorted(by_offset)):
             pending = set(run)
-            for sample in self._reader(url, run[0], ordinals[url, run[0]], block_size=1 << 16):
+            for sample in self._reader(url, run[0], ordinals[url, run[0]], index, block_size=1 << 16):
                 offset = sample[OFFSET_FIELD]
                 if offset in pending:
                     pending.discard(offset)
@@ -315,6 +358,20 @@ class _Marked(_ReaderView):
             if fields:
                 sample.update(fields)
             yield sample
+
+
+def _same_shard(url: str, saved: str | None, identity: str | None) -> None:
+    """A state taken on one shard must not resume on another of the same name (a re-converted dataset)."""
+    if saved is None:
+        return  # (a state from before identities were recorded, or a shard without an index then)
+    if identity is None:
+        logger.warning("%s: the saved state names the shard %s but it has no index now: not checked", url, saved)
+        return
+    if saved != identity:
+        raise StateMismatchError(
+            f"{url}: the saved state was taken on a shard with identity {saved}, this one is {identity}: "
+            "the shard was rewritten (same name, other contents)"
+        )
 
 
 def _runs(offsets: list[int], gap: int = 1 << 18) -> list[list[int]]:

@@ -9,7 +9,7 @@ import posixpath
 from array import array
 from collections.abc import Sequence
 
-from wdsraft.index.shard_index import ShardIndex
+from wdsraft.index.shard_index import ShardIndex, span_digest
 from wdsraft.io.storage import abandon_write, open_atomic
 from wdsraft.tar.format import HeaderBuilder, end_of_archive
 
@@ -31,6 +31,7 @@ class ShardAssembler:
         self.stream = open_atomic(url, fsync=fsync)
         self.digest = hashlib.sha256()
         self.offsets = array("Q")
+        self.crcs = array("I")  # CRC-32 of each sample's bytes, as TarWriter records them
         self.offset = 0
         self.size = 0
         self._pending: list[bytes | memoryview] = []
@@ -38,12 +39,15 @@ class ShardAssembler:
     def add(self, key: str, members: Sequence[tuple[str, memoryview]]) -> None:
         self.offsets.append(self.offset)
         pending = self._pending
+        crc = 0
         for ext, data in members:
             size = len(data)
             header = self.headers.build(f"{key}.{ext}", size, SHARD_MTIME)
             padding = _ZEROS[: (-size) % 512]
             pending += (header, data, padding)
+            crc = span_digest(padding, span_digest(data, span_digest(header, crc)))
             self.offset += len(header) + size + len(padding)
+        self.crcs.append(crc)
         if self.offset - self.size >= self.BLOCK:
             self.flush()
 
@@ -61,7 +65,9 @@ class ShardAssembler:
         self.stream.close()
         offsets = array("Q", self.offsets)
         offsets.append(end)
-        index = ShardIndex(posixpath.basename(self.url), offsets, self.size, self.digest.hexdigest(), None)
+        index = ShardIndex(
+            posixpath.basename(self.url), offsets, self.size, self.digest.hexdigest(), None, crc32=array("I", self.crcs)
+        )
         index.save(self.url)
         return index
 

@@ -28,7 +28,7 @@ from typing import IO, Any, cast
 from webdataset.writer import make_encoder
 
 from wdsraft.index.manifest import MANIFEST_NAME, manifest_for
-from wdsraft.index.shard_index import ShardIndex
+from wdsraft.index.shard_index import ShardIndex, span_digest
 from wdsraft.io.storage import abort_write, is_s3, local_path, open_atomic
 from wdsraft.tar.format import HeaderBuilder, end_of_archive, member_padding
 from wdsraft.tar.naming import is_meta_member, split_key
@@ -129,6 +129,8 @@ class TarWriter:
         self.stream = _compressor(self.compression, self._sink)
         self._offset = 0  # uncompressed bytes written so far
         self._offsets = array("Q")
+        self._crcs = array("I")  # per-sample CRC-32 of the uncompressed bytes, one per finished sample
+        self._crc = 0  # running CRC-32 of the sample being written
         self._last_key: str | None = None  # the key a reader sees for the last member written
         self.index: ShardIndex | None = None
         self._closed = False
@@ -145,6 +147,7 @@ class TarWriter:
     def _emit(self, data: bytes) -> None:
         self.stream.write(data)
         self._offset += len(data)
+        self._crc = span_digest(data, self._crc)
 
     def write(self, obj: dict[str, Any]) -> int:
         """Write one sample; returns the number of payload bytes written (as webdataset)."""
@@ -186,6 +189,9 @@ class TarWriter:
         if reader_key is None or reader_key == self._last_key:
             return
         self._last_key = reader_key
+        if self._offsets:  # the previous sample's span ends here (bytes before the first sample have none)
+            self._crcs.append(self._crc)
+        self._crc = 0
         self._offsets.append(self._offset)
 
     def close(self) -> None:
@@ -194,6 +200,9 @@ class TarWriter:
             return
         self._closed = True
         end = self._offset
+        crcs = array("I", self._crcs)
+        if self._offsets:
+            crcs.append(self._crc)
         self._emit(end_of_archive(self._offset))
         if self.stream is not self._sink:
             self.stream.close()  # flushes the compressor into the sink (GzipFile leaves the sink open)
@@ -203,7 +212,9 @@ class TarWriter:
         offsets = array("Q", self._offsets)
         offsets.append(end)
         name = posixpath.basename(self.url) if self.url else ""
-        self.index = ShardIndex(name, offsets, self._sink.count, self._sink.digest.hexdigest(), self.compression)
+        self.index = ShardIndex(
+            name, offsets, self._sink.count, self._sink.digest.hexdigest(), self.compression, crc32=crcs
+        )
         if self.save_index and self.url is not None:
             self.index.save(self.url)
 
