@@ -5,6 +5,7 @@ the offset and the remote's reason. Permanent errors are not retried; nothing ha
 from __future__ import annotations
 
 import logging
+import time
 
 import boto3
 import pytest
@@ -37,8 +38,10 @@ def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
 def test_a_fault_costs_a_retry_not_a_byte(remote, fault: Fault, caplog) -> None:
     url = remote.urls[0]
     remote.proxy.inject(fault, path=remote.name(url))
+    started = time.monotonic()
     with caplog.at_level(logging.WARNING), open_shard(url) as stream:
         assert stream.read() == remote.data[url]
+    assert time.monotonic() - started < 10  # a stall (30 s) is cut by the 1 s read timeout, not waited out
     gets = remote.proxy.requests(remote.name(url))
     assert [r.fault for r in gets] == [fault, None]  # one faulty response, one retry
     # A clean early end (any reader) or a pipe (s5cmd): every byte sent before the fault was taken, so the
@@ -47,6 +50,8 @@ def test_a_fault_costs_a_retry_not_a_byte(remote, fault: Fault, caplog) -> None:
         assert gets[1].range_start == MID
     elif isinstance(fault, Status) or (isinstance(fault, Stall) and fault.after is None):
         assert gets[1].range_start is None  # nothing came: again from the start
+    if remote.reader == "s5cmd":  # the first response is s5cmd's (Go's SDK), the retry the ranged boto3 reader's
+        assert "aws-sdk-go" in gets[0].headers["user-agent"] and "Boto3" in gets[1].headers["user-agent"]
     (warning,) = _warnings(caplog)
     assert url in warning and "retry 1 of 3" in warning and "byte offset" in warning
 
