@@ -15,7 +15,7 @@ import struct
 import threading
 from dataclasses import dataclass, field
 
-__all__ = ["Drop", "Fault", "FaultProxy", "Request", "Stall", "Status", "Truncate"]
+__all__ = ["Drop", "Fault", "FaultProxy", "IgnoreRange", "Request", "Stall", "Status", "Truncate"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,11 @@ class Stall(Fault):
 
     after: int | None = 0
     seconds: float = 60.0
+
+
+@dataclass(frozen=True)
+class IgnoreRange(Fault):
+    """Forward the request without its ``Range`` header, as a server that does not do ranges answers."""
 
 
 _S3_CODES = {403: "AccessDenied", 404: "NoSuchKey", 500: "InternalError", 503: "SlowDown"}
@@ -185,6 +190,8 @@ class FaultProxy:
             if isinstance(fault, Stall) and fault.after is None:
                 self._stop.wait(fault.seconds)
                 return
+            if isinstance(fault, IgnoreRange):
+                head = b"\r\n".join(line for line in head.split(b"\r\n") if not line.lower().startswith(b"range:"))
             upstream = socket.create_connection(self.upstream, timeout=30)
             try:
                 upstream.sendall(_with_close(head) + body)
@@ -194,7 +201,7 @@ class FaultProxy:
             if response_head is None:
                 return
             response_head = _with_close(response_head)
-            if fault is None:
+            if fault is None or isinstance(fault, IgnoreRange):
                 client.sendall(response_head + response_body)
             elif isinstance(fault, (Drop, Truncate, Stall)):
                 client.sendall(response_head + response_body[: fault.after])

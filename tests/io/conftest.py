@@ -98,3 +98,22 @@ def remote(request: pytest.FixtureRequest, dataset_shards: list[str], monkeypatc
         monkeypatch.setenv("WDSRAFT_S3_READER", "s5cmd" if reader == "s5cmd" else "smart_open")
         urls = [f"s3://{bucket}/data/{name}" for name in sorted(data)]
     return Remote(reader, urls, {url: data[url.rsplit("/", 1)[1]] for url in urls}, proxy)
+
+
+@pytest.fixture
+def put_remote(request: pytest.FixtureRequest):
+    """``put_remote(remote, name, body)`` stores one more object where ``remote``'s shards are; returns its URL."""
+
+    def put(remote: Remote, name: str, body: bytes) -> str:
+        if remote.reader == "http":
+            root, _ = request.getfixturevalue("http_proxy")
+            (root / name).write_bytes(body)
+            return f"{remote.proxy.url}/{name}"
+        import boto3
+
+        bucket = request.getfixturevalue("s3_bucket")
+        endpoint = request.getfixturevalue("s3_endpoint")
+        boto3.client("s3", endpoint_url=endpoint).put_object(Bucket=bucket, Key=f"data/{name}", Body=body)
+        return f"s3://{bucket}/data/{name}"
+
+    return put

@@ -4,12 +4,14 @@ the offset and the remote's reason. Permanent errors are not retried; nothing ha
 
 from __future__ import annotations
 
+import gzip
 import logging
 import time
+from pathlib import Path
 
 import boto3
 import pytest
-from faultproxy import Drop, Fault, Stall, Status, Truncate
+from faultproxy import Drop, Fault, IgnoreRange, Stall, Status, Truncate
 
 import wdsraft
 from wdsraft.core.errors import RemoteAccessDeniedError, RemoteNotFoundError, RemoteReadError
@@ -143,3 +145,26 @@ def test_an_object_overwritten_mid_read_is_an_error_not_a_splice(remote, s3_buck
     with pytest.raises(RemoteReadError, match="object changed during the read") as caught:
         open_shard(url).read()
     assert caught.value.offset == MID and caught.value.status == 412
+
+
+def test_a_server_that_ignores_range_is_read_and_discarded_up_to_the_offset(remote) -> None:
+    url, data = remote.urls[2], remote.data[remote.urls[2]]
+    offset = 512 * (len(data) // 1024)
+    remote.proxy.inject(IgnoreRange(), path=remote.name(url), range_start=offset)
+    with open_shard(url, offset) as stream:
+        assert stream.tell() == offset
+        assert stream.read() == data[offset:]
+    starts = [(r.range_start, type(r.fault).__name__) for r in remote.proxy.requests(remote.name(url))]
+    assert starts[-1] == (offset, "IgnoreRange")  # answered with the whole object, read through
+
+
+def test_a_compressed_shard_resumes_in_stored_bytes(remote, dataset_shards, put_remote) -> None:
+    """A gzipped shard: the retry goes on in the compressed bytes, the samples come out whole."""
+    plain = dataset_shards[0]
+    url = put_remote(remote, "packed-00.tar.gz", gzip.compress(Path(plain).read_bytes()))
+    remote.proxy.inject(Truncate(after=MID), path="packed-00")
+    remote.proxy.inject(Drop(after=MID), path="packed-00", range_start=MID)
+    samples = list(wdsraft.ShardSampleReader(url))
+    assert samples == [{**s, "__url__": url} for s in wdsraft.ShardSampleReader(plain)]
+    starts = [r.range_start for r in remote.proxy.requests("packed-00")]
+    assert starts[1] == MID and starts[2] >= MID  # (the reset may cost bytes buffered in the read it broke)

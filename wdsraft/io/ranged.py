@@ -15,7 +15,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from wdsraft.core.errors import RemoteAccessDeniedError, RemoteNotFoundError, RemoteReadError
-from wdsraft.io.remote import EmptyBody, Opened, Opener, RetryPolicy, permanent
+from wdsraft.io.remote import Body, EmptyBody, Opened, Opener, RetryPolicy, permanent
 from wdsraft.io.s3 import s3_reader_client
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,8 @@ def s3_error(url: str, offset: int, exn: BaseException) -> RemoteReadError:
     status = exn.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
     error = exn.response.get("Error", {})
     code, message = str(error.get("Code", "")), error.get("Message", "")
-    remote = f"{status} {code}: {message}" if message else f"{status} {code}"
+    remote = " ".join(part for part in (str(status), code if code != str(status) else "") if part)
+    remote = f"{remote}: {message}" if message else remote
     if code in _S3_NOT_FOUND:
         status = 404
     elif code in _S3_DENIED:
@@ -107,11 +108,11 @@ def s3_opener(url: str, policy: RetryPolicy) -> Opener:
                 return Opened(EmptyBody(), int(actual) if actual is not None else None)
             raise error from exn
         first, size = parse_content_range(response.get("ContentRange"))
-        if first is None:
-            if offset:
-                response["Body"].close()
-                raise permanent(RemoteReadError(url, offset, "the endpoint ignored a Range request"))
+        if first is None:  # the whole object
             size = int(response["ContentLength"])
+            if offset:
+                logger.info("%s: the endpoint ignores Range; reading and discarding %d bytes", url, offset)
+                _skip(response["Body"], offset)
         elif first != offset:
             response["Body"].close()
             raise permanent(RemoteReadError(url, offset, f"the endpoint answered a range from byte {first}"))
@@ -156,7 +157,7 @@ def http_opener(url: str, policy: RetryPolicy) -> Opener:
     return open_at
 
 
-def _skip(body: http.client.HTTPResponse, count: int) -> None:
+def _skip(body: Body, count: int) -> None:
     while count > 0:
         chunk = body.read(min(count, 1 << 22))
         if not chunk:
