@@ -9,6 +9,8 @@ refused, which s5cmd's own messages do not say apart.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import select
@@ -40,6 +42,8 @@ class S5cmdBody:
         )
         assert self._process.stdout is not None
         self._fd = self._process.stdout.fileno()
+        with contextlib.suppress(OSError, AttributeError):  # fewer, larger reads (Linux; up to pipe-max-size)
+            fcntl.fcntl(self._fd, fcntl.F_SETPIPE_SZ, 1 << 20)
 
     def read(self, n: int = -1, /) -> bytes:
         ready, _, _ = select.select([self._fd], [], [], self.read_timeout)
