@@ -69,3 +69,25 @@ def test_spent_retries_raise_the_named_error_through_the_handler(remote) -> None
     remote.proxy.inject(Status(503), path=remote.name(bad), method=None, times=10)
     kept = list(_dataset(remote.urls, handler=wdsraft.ignore_and_continue))
     assert [s["__url__"] for s in kept] == [remote.urls[0]] * 24 + [remote.urls[2]] * 24
+
+
+@pytest.mark.parametrize("remote", ["s5cmd", "boto3"], indirect=True)
+def test_loader_workers_retry_and_report_in_their_processes(remote) -> None:
+    """Two DataLoader workers (forked; boto3 clients are per process) read through faults: every sample
+    once; a shard that stays denied reaches the training process named, with its reason."""
+    clean = {s["__key__"]: s for s in _dataset(remote.urls)}
+    remote.proxy.clear()
+    for url in remote.urls:
+        remote.proxy.inject(Truncate(after=11_000), path=remote.name(url))
+    loader = wdsraft.WebLoader(_dataset(remote.urls), batch_size=None, num_workers=2)
+    got = list(loader)
+    assert sorted(s["__key__"] for s in got) == sorted(clean)
+    assert all(s == clean[s["__key__"]] for s in got)
+    assert sum(r.fault is not None for r in remote.proxy.log) == 3
+    remote.proxy.inject(Status(403), path=remote.name(remote.urls[2]), method=None, times=50)
+    # torch re-raises a worker's error whose constructor takes more than a message as a RuntimeError
+    # carrying the original type, message and traceback (so it does with TarFormatError)
+    with pytest.raises((RemoteReadError, RuntimeError)) as caught:
+        list(wdsraft.WebLoader(_dataset(remote.urls), batch_size=None, num_workers=2))
+    text = str(caught.value)
+    assert "RemoteAccessDeniedError" in text and f"{remote.urls[2]}: access denied (403" in text

@@ -146,7 +146,7 @@ def test_an_object_overwritten_mid_read_is_an_error_not_a_splice(remote, put_rem
 
 
 def test_errors_keep_their_fields_across_processes() -> None:
-    """DataLoader workers send errors pickled: the type and the fields survive."""
+    """Errors that cross a process pickled (multiprocessing pools, queues) keep their type and fields."""
     for error in (
         RemoteNotFoundError("s3://b/k", 0, "not found (404 NoSuchKey)", 404),
         RemoteAccessDeniedError("s3://b/k", 0, "access denied (403 AccessDenied)", 403),
