@@ -183,3 +183,13 @@ def test_a_compressed_shard_resumes_in_stored_bytes(remote, dataset_shards, put_
     assert samples == [{**s, "__url__": url} for s in wdsraft.ShardSampleReader(plain)]
     starts = [r.range_start for r in remote.proxy.requests("packed-00")]
     assert starts[1] == MID and starts[2] >= MID  # (the reset may cost bytes buffered in the read it broke)
+
+
+def test_http_credentials_in_the_url_go_in_a_basic_authorization_header(http_proxy) -> None:
+    root, proxy = http_proxy
+    (root / "secret.tar").write_bytes(b"x" * 2048)
+    url = f"{proxy.url}/secret.tar".replace("http://", "http://reader:p%40ss@")
+    with open_shard(url, 1024) as stream:
+        assert stream.read() == b"x" * 1024
+    requests = proxy.requests("secret.tar")
+    assert requests and all(r.headers["authorization"] == "Basic cmVhZGVyOnBAc3M=" for r in requests)  # reader:p@ss

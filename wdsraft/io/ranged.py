@@ -6,13 +6,14 @@ or network error (retried).
 
 from __future__ import annotations
 
+import base64
 import http.client
 import logging
 import re
 import urllib.error
 import urllib.request
 from typing import Any
-from urllib.parse import urlparse
+from urllib.parse import unquote, urlparse, urlunparse
 
 from wdsraft.core.errors import RemoteAccessDeniedError, RemoteNotFoundError, RemoteReadError
 from wdsraft.io.remote import Body, EmptyBody, Opened, Opener, RetryPolicy, permanent
@@ -126,12 +127,17 @@ def http_opener(url: str, policy: RetryPolicy) -> Opener:
     timeout bounds the connection too. A server that ignores ``Range`` is read and discarded up to
     the offset."""
 
+    target, authorization = _split_credentials(url)
+
     def open_at(offset: int, etag: str | None) -> Opened:
         headers = {"Range": f"bytes={offset}-"} if offset else {}
         if etag and not etag.startswith("W/"):  # a weak ETag does not promise the same bytes
             headers["If-Match"] = etag
+        if authorization is not None:
+            headers["Authorization"] = authorization
         try:
-            response = urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=policy.read_timeout)
+            request = urllib.request.Request(target, headers=headers)
+            response = urllib.request.urlopen(request, timeout=policy.read_timeout)
         except urllib.error.HTTPError as exn:
             with exn:
                 if exn.code == 416:
@@ -155,6 +161,19 @@ def http_opener(url: str, policy: RetryPolicy) -> Opener:
         return Opened(response, size, tag)
 
     return open_at
+
+
+def _split_credentials(url: str) -> tuple[str, str | None]:
+    """``http://user:password@host/...`` as the URL without them and a Basic ``Authorization`` header
+    (as curl, which webdataset's gopen runs, takes them)."""
+    parsed = urlparse(url)
+    if parsed.username is None:
+        return url, None
+    credentials = f"{unquote(parsed.username)}:{unquote(parsed.password or '')}".encode()
+    netloc = parsed.hostname or ""
+    netloc = f"[{netloc}]" if ":" in netloc else netloc
+    netloc += f":{parsed.port}" if parsed.port is not None else ""
+    return urlunparse(parsed._replace(netloc=netloc)), "Basic " + base64.b64encode(credentials).decode("ascii")
 
 
 def _skip(body: Body, count: int) -> None:
