@@ -58,3 +58,30 @@ class ShardIntegrityError(TarFormatError):
 
     def __reduce__(self):
         return (type(self), (self.url, self.offset, self.reason, self.ordinal))
+
+
+class RemoteReadError(OSError):
+    """A remote shard (S3, HTTP) could not be read: names the URL, the byte offset reached in the stored
+    object, and the remote's own reason. Network and server errors raise it once the retries are spent.
+
+    An ``OSError``, as the transports' own errors are, so handlers catching those keep working.
+    """
+
+    def __init__(self, url: str, offset: int, reason: str, status: int | None = None):
+        super().__init__(f"{url}: {reason} at byte offset {offset}")
+        self.url = url
+        self.offset = offset
+        self.reason = reason
+        #: The HTTP status the remote answered with, None for a network error.
+        self.status = status
+
+    def __reduce__(self):  # keep the fields when the error crosses a DataLoader worker boundary
+        return (type(self), (self.url, self.offset, self.reason, self.status))
+
+
+class RemoteNotFoundError(RemoteReadError, FileNotFoundError):
+    """The remote says the shard does not exist (HTTP 404/410, S3 NoSuchKey/NoSuchBucket). Not retried."""
+
+
+class RemoteAccessDeniedError(RemoteReadError, PermissionError):
+    """The remote refuses the shard (HTTP 401/403, S3 AccessDenied, a bad key or signature). Not retried."""

@@ -69,6 +69,12 @@ class PrefixedStream:
     def closed(self) -> bool:
         return bool(getattr(self._stream, "closed", False))
 
+    def __enter__(self) -> PrefixedStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 def sniff_compression(head: bytes) -> str | None:
     """The compression of a stream from its first 10 bytes, or None for a plain tar."""

@@ -7,8 +7,9 @@ transport can (local ``seek``, HTTP/S3 ``Range`` requests) and otherwise reading
 discarding up to the offset.
 
 Whole-shard S3 reads go through the ``s5cmd`` binary when it is installed
-(``WDSRAFT_S3_READER=auto``, the default) or always (``s5cmd``) or never (``smart_open``);
-see ``wdsraft.io.s3``.
+(``WDSRAFT_S3_READER=auto``, the default) or always (``s5cmd``) or never (``smart_open``: the ranged
+boto3 reader); see ``wdsraft.io.s3``. Remote shards (S3, HTTP) are resumable streams: a
+dropped, stalled or short response is reopened at the byte reached (``wdsraft.io.remote``).
 """
 
 from __future__ import annotations
@@ -23,9 +24,12 @@ from urllib.request import url2pathname
 from webdataset.gopen import gopen as webdataset_gopen
 from webdataset.gopen import rewrite_url
 
-from wdsraft.core.errors import TarFormatError
+from wdsraft.core.errors import RemoteReadError, TarFormatError
 from wdsraft.io.compression import uncompressed
-from wdsraft.io.s3 import s3_client, s5cmd_binary, s5cmd_cat
+from wdsraft.io.ranged import http_opener, s3_opener
+from wdsraft.io.remote import ResumableStream, read_policy
+from wdsraft.io.s3 import s3_client, s5cmd_binary
+from wdsraft.io.s5cmd_reader import s5cmd_opener
 
 logger = logging.getLogger(__name__)
 
@@ -58,12 +62,13 @@ def _open_raw(url: str, offset: int) -> IO[bytes]:
         path = url if parsed.scheme == "" else url2pathname(parsed.path)
         return open(path, "rb", buffering=0)
     if parsed.scheme == "s3":
+        policy = read_policy()
         binary = s5cmd_binary() if offset == 0 else None
-        if binary is not None:
-            return s5cmd_cat(binary, url)
-        return _smart_open(url, "rb")
+        first = s5cmd_opener(binary, url, policy) if binary is not None else None
+        return cast(IO[bytes], ResumableStream(url, s3_opener(url, policy), policy, first=first))
     if parsed.scheme in ("http", "https"):
-        return _smart_open(url, "rb")
+        policy = read_policy()
+        return cast(IO[bytes], ResumableStream(url, http_opener(url, policy), policy))
     return cast(IO[bytes], webdataset_gopen(original, "rb"))  # (which applies GOPEN_REWRITE itself)
 
 
@@ -87,6 +92,8 @@ def discard(stream: IO[bytes], count: int, url: str) -> None:
             if not chunk:
                 raise TarFormatError(url, count - left, f"stream ends before offset {count}")
             left -= len(chunk)
+    except RemoteReadError:
+        raise  # already names the shard, the offset and the remote's reason
     except (EOFError, OSError, lzma.LZMAError, zlib.error) as exn:
         raise TarFormatError(url, count - left, f"cannot read the stream ({type(exn).__name__}: {exn})") from exn
 
@@ -102,6 +109,8 @@ def open_shard(url: str, offset: int = 0) -> IO[bytes]:
     raw = _open_raw(url, offset)
     try:
         stream, kind = uncompressed(raw)
+        if kind is None and offset == 0 and isinstance(raw, ResumableStream):
+            return stream  # (the first bytes read stay in front: seeking back would cost a request)
         if kind is None and _can_seek(raw):
             raw.seek(offset)
             return raw

@@ -12,10 +12,8 @@ import functools
 import logging
 import os
 import shutil
-from typing import Any, BinaryIO, NamedTuple, cast
+from typing import Any, NamedTuple
 from urllib.parse import urlparse
-
-from webdataset.gopen import Pipe
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +32,21 @@ def _s3_client_for(pid: int, endpoint_url: str | None) -> Any:
 def s3_client() -> Any:
     """A boto3 S3 client for this process (clients must not cross a fork)."""
     return _s3_client_for(os.getpid(), s3_endpoint_url())
+
+
+@functools.lru_cache(maxsize=8)
+def _s3_reader_client_for(pid: int, endpoint_url: str | None, connect_timeout: float, read_timeout: float) -> Any:
+    import boto3
+    from botocore.config import Config
+
+    # One attempt per call: the shard reader retries itself, at the offset reached, and logs each retry.
+    config = Config(connect_timeout=connect_timeout, read_timeout=read_timeout, retries={"total_max_attempts": 1})
+    return boto3.session.Session().client("s3", endpoint_url=endpoint_url, config=config)
+
+
+def s3_reader_client(connect_timeout: float, read_timeout: float) -> Any:
+    """A boto3 S3 client for the shard reader: these timeouts, no retries of its own."""
+    return _s3_reader_client_for(os.getpid(), s3_endpoint_url(), connect_timeout, read_timeout)
 
 
 class S3Object(NamedTuple):
@@ -74,7 +87,3 @@ def s5cmd_command(binary: str, *args: str) -> list[str]:
     """An s5cmd command line (``s5cmd cat URL``, ``s5cmd cp ...``) for this process's S3 endpoint."""
     endpoint = s3_endpoint_url()
     return [binary, *(["--endpoint-url", endpoint] if endpoint else []), *args]
-
-
-def s5cmd_cat(binary: str, url: str) -> BinaryIO:
-    return cast(BinaryIO, Pipe(s5cmd_command(binary, "cat", url), mode="rb", bufsize=1 << 20))

@@ -17,7 +17,7 @@ from typing import IO
 
 import numpy as np
 
-from wdsraft.core.errors import TarFormatError
+from wdsraft.core.errors import RemoteReadError, TarFormatError
 from wdsraft.tar.format import (
     _GNU_LONGLINK,
     _GNU_LONGNAME,
@@ -83,6 +83,8 @@ class TarMemberReader:
                     break
                 chunks.append(chunk)
                 n -= len(chunk)
+        except RemoteReadError:
+            raise  # a remote read that failed for good is no format error: it names its shard and offset
         except (EOFError, OSError, lzma.LZMAError, zlib.error) as exn:
             where = self.end_offset if offset is None else offset
             raise TarFormatError(self.url, where, f"cannot read the stream ({type(exn).__name__}: {exn})") from exn

@@ -1,0 +1,36 @@
+"""The retry policy: what the variables set, the backoff's growth and bounds, the module override."""
+
+from __future__ import annotations
+
+import pytest
+
+from wdsraft.io import remote
+from wdsraft.io.remote import RetryPolicy, read_policy
+
+
+def test_the_variables_set_the_policy(monkeypatch) -> None:
+    monkeypatch.setenv("WDSRAFT_READ_RETRIES", "7")
+    monkeypatch.setenv("WDSRAFT_READ_BACKOFF", "0.25")
+    monkeypatch.setenv("WDSRAFT_READ_TIMEOUT", "12")
+    monkeypatch.setenv("WDSRAFT_CONNECT_TIMEOUT", "3.5")
+    assert read_policy() == RetryPolicy(retries=7, backoff=0.25, read_timeout=12, connect_timeout=3.5)
+    monkeypatch.setenv("WDSRAFT_READ_RETRIES", "many")
+    with pytest.raises(ValueError, match="WDSRAFT_READ_RETRIES='many'"):
+        read_policy()
+
+
+def test_defaults_and_the_module_override(monkeypatch) -> None:
+    for name in ("WDSRAFT_READ_RETRIES", "WDSRAFT_READ_BACKOFF", "WDSRAFT_READ_TIMEOUT", "WDSRAFT_CONNECT_TIMEOUT"):
+        monkeypatch.delenv(name, raising=False)
+    assert read_policy() == RetryPolicy(retries=5, backoff=0.5, read_timeout=60, connect_timeout=10)
+    mine = RetryPolicy(retries=1)
+    monkeypatch.setattr(remote, "POLICY", mine)
+    assert read_policy() is mine
+
+
+def test_backoff_doubles_jittered_and_capped() -> None:
+    policy = RetryPolicy(backoff=1.0, backoff_max=5.0)
+    for attempt, full in [(1, 1.0), (2, 2.0), (3, 4.0), (4, 5.0), (9, 5.0)]:
+        delays = [policy.delay(attempt) for _ in range(200)]
+        assert all(full / 2 <= d <= full for d in delays)
+        assert max(delays) - min(delays) > full / 10  # jittered: workers that failed together spread out
