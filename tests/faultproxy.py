@@ -77,6 +77,15 @@ class Request:
         return int(value.removeprefix("bytes=").split("-")[0]) if value else None
 
 
+def _aimed_at(path: str, request_path: str) -> bool:
+    """Whether a rule for ``path`` concerns a request: its path contains ``path``, except that a rule
+    for a shard is not spent on the request for the shard's index beside it (``SHARD.idx``)."""
+    target = request_path.split("?", 1)[0]
+    if target.endswith(".idx") and not path.endswith(".idx"):
+        return False
+    return path in request_path
+
+
 @dataclass
 class _Rule:
     fault: Fault
@@ -90,7 +99,7 @@ class _Rule:
     def matches(self, request: Request) -> bool:
         if self.method is not None and request.method != self.method:
             return False
-        if self.path not in request.path:
+        if not _aimed_at(self.path, request.path):
             return False
         return self.when_range is None or request.range_start == self.when_range
 
@@ -138,7 +147,7 @@ class FaultProxy:
 
     def requests(self, path: str = "", method: str | None = "GET") -> list[Request]:
         with self._lock:
-            return [r for r in self.log if path in r.path and (method is None or r.method == method)]
+            return [r for r in self.log if _aimed_at(path, r.path) and (method is None or r.method == method)]
 
     def close(self) -> None:
         self._stop.set()

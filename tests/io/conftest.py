@@ -69,6 +69,7 @@ class Remote:
     urls: list[str]
     data: dict[str, bytes]
     proxy: FaultProxy
+    local_paths: list[str]  # the shards as written, each with its index beside it
 
     def name(self, url: str) -> str:
         return url.rsplit("/", 1)[1]
@@ -97,7 +98,7 @@ def remote(request: pytest.FixtureRequest, dataset_shards: list[str], monkeypatc
         proxy = request.getfixturevalue("s3_proxy")
         monkeypatch.setenv("WDSRAFT_S3_READER", "s5cmd" if reader == "s5cmd" else "smart_open")
         urls = [f"s3://{bucket}/data/{name}" for name in sorted(data)]
-    return Remote(reader, urls, {url: data[url.rsplit("/", 1)[1]] for url in urls}, proxy)
+    return Remote(reader, urls, {url: data[url.rsplit("/", 1)[1]] for url in urls}, proxy, dataset_shards)
 
 
 @pytest.fixture

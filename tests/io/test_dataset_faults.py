@@ -4,6 +4,9 @@ saved mid-shard; when the retries run out, the named error goes to the handler."
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 import pytest
 from faultproxy import Drop, Stall, Status, Truncate
 
@@ -91,3 +94,24 @@ def test_loader_workers_retry_and_report_in_their_processes(remote) -> None:
         list(wdsraft.WebLoader(_dataset(remote.urls), batch_size=None, num_workers=2))
     text = str(caught.value)
     assert "RemoteAccessDeniedError" in text and f"{remote.urls[2]}: access denied (403" in text
+
+
+@pytest.mark.parametrize("remote", ["s5cmd", "boto3"], indirect=True)
+@pytest.mark.parametrize("indexed", [True, False], ids=["indexed", "no-index"])
+def test_an_index_read_is_retried_like_its_shard(remote, put_remote, indexed: bool) -> None:
+    """Indexes (and manifests, ledger files) on S3 are read with the same retries as shards: a dropped
+    index request costs a retry, not the epoch (the probe for a missing index, dropped, used to end the
+    read with urllib3's unnamed ProtocolError)."""
+    clean = list(_dataset(remote.urls))
+    if indexed:
+        for url in remote.urls:
+            local = next(p for p in remote.local_paths if p.endswith(remote.name(url)))
+            put_remote(remote, remote.name(url) + ".idx", Path(local + ".idx").read_bytes())
+    index = remote.name(remote.urls[1]) + ".idx"
+    remote.proxy.clear()  # (the clean read asked for the indexes too)
+    remote.proxy.inject(Drop(after=0), path=index)
+    remote.proxy.inject(Stall(after=None, seconds=30), path=index)  # cut by the 1 s read timeout, then a retry
+    started = time.monotonic()
+    _assert_same(list(_dataset(remote.urls)), clean)
+    assert time.monotonic() - started < 10  # smart_open's own retries waited out boto3's 60 s read timeout
+    assert len(remote.proxy.requests(index)) == 3  # the drop, the stall, then the retry that reads it

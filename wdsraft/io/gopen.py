@@ -14,6 +14,7 @@ dropped, stalled or short response is reopened at the byte reached (``wdsraft.io
 
 from __future__ import annotations
 
+import io
 import logging
 import lzma
 import zlib
@@ -44,11 +45,15 @@ def _smart_open(url: str, mode: str) -> BinaryIO:
 
 
 def gopen(url: str, mode: str = "rb", bufsize: int = 8192, **kw: Any) -> IO[bytes]:
-    """Open a URL like webdataset's ``gopen``, with ``s3://`` handled by smart_open/boto3."""
+    """Open a URL like webdataset's ``gopen``, with ``s3://`` added: read by ranged requests that resume
+    where a failure stopped them (see ``wdsraft.io.remote``), written by smart_open/boto3."""
     if mode not in ("rb", "wb"):
         raise ValueError(f"gopen: unsupported mode {mode!r} for {url}")
     target = rewrite_url(url)
     if urlparse(target).scheme == "s3":
+        if mode == "rb":  # indexes, manifests, ledger files: the same retries as shard reads
+            policy = read_policy()
+            return io.BufferedReader(ResumableStream(target, s3_opener(target, policy), policy), 1 << 20)
         return _smart_open(target, mode)
     return cast(IO[bytes], webdataset_gopen(url, mode, bufsize, **kw))  # (which applies GOPEN_REWRITE itself)
 
