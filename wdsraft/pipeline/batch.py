@@ -14,7 +14,7 @@ from webdataset.filters import (
 from wdsraft.core.errors import StateMismatchError
 from wdsraft.core.state import describe
 from wdsraft.pipeline.addresses import Address, pack_addresses, unpack_addresses
-from wdsraft.pipeline.stage import AddressTracker, Context, Stage
+from wdsraft.pipeline.stage import AddressTracker, Context, Stage, unresumable_state
 
 
 class BatchFormat(Protocol):
@@ -66,8 +66,8 @@ def _format_of_items(collation_fn: Any, first: Any) -> BatchFormat | None:
 class batched(Stage):
     """Group items into batches of ``batchsize`` (collated with ``collation_fn``), as webdataset's.
 
-    A batch is handed out as soon as it is full, so between two batches nothing is held;
-    the partial batch at a checkpoint (if batching is not the last stage) is saved as addresses.
+    As webdataset's, a full batch is handed out when the item after it arrives, so between two batches
+    that item is held; the partial batch at a checkpoint is saved as its items' addresses.
     """
 
     def __init__(
@@ -83,7 +83,10 @@ class batched(Stage):
 
     def state_dict(self) -> dict[str, Any]:
         if None in self._addresses:
-            raise StateMismatchError(f"cannot save stage {self.index} (batched): its partial batch has no positions")
+            return unresumable_state(
+                f"cannot save stage {self.index} (batched): items of its partial batch have no position in the "
+                "shards (a stage before it merges items, or the pipeline's reader gives no positions)"
+            )
         return {"partial": pack_addresses(self._addresses)}  # type: ignore[arg-type]
 
     def addresses(self) -> list[Address]:
@@ -99,13 +102,19 @@ class batched(Stage):
         batch: list[Any] = ctx.rematerializers[self.index](list(addresses)) if addresses else []  # type: ignore[arg-type]
         tracker = AddressTracker(ctx)
         for sample in src:
-            batch.append(sample)
-            addresses.append(tracker.address())
+            address = tracker.address()
             if len(batch) >= self.batchsize:
+                # As webdataset's: a full batch goes out when the item after it arrives (the same pulls from
+                # upstream, so a live RNG shared with other passes draws the same); that item is held, by address.
                 out = self._emit(ctx, batch)
-                batch.clear()  # before handing it out: a checkpoint taken now holds no partial batch
+                batch.clear()
                 addresses.clear()
+                batch.append(sample)
+                addresses.append(address)
                 yield out
+                continue
+            batch.append(sample)
+            addresses.append(address)
         if batch and (len(batch) == self.batchsize or self.partial):
             out = self._emit(ctx, batch)
             batch.clear()
@@ -139,7 +148,7 @@ class _Splitter(Stage):
 
     def state_dict(self) -> dict[str, Any]:
         if self._pending and self._group_address is None:
-            raise StateMismatchError(
+            return unresumable_state(
                 f"cannot save stage {self.index} ({type(self).__name__}): it is in the middle of a batch made "
                 "inside this pipeline, which cannot be re-read; put unbatching after a DataLoader (WebLoader) "
                 "or save between batches"

@@ -41,7 +41,14 @@ from wdsraft.core.distributed import WorkerInfo, worker_info
 from wdsraft.core.errors import StateMismatchError
 from wdsraft.core.state import STATE_FORMAT, STATE_VERSION, config_text, describe, differences, fingerprint
 from wdsraft.pipeline.passes import _Iteration, _Pass
-from wdsraft.pipeline.stage import Context, Stage, in_dataloader_worker, invoke_stage
+from wdsraft.pipeline.stage import (
+    Context,
+    Stage,
+    find_unresumable,
+    in_dataloader_worker,
+    invoke_stage,
+    states_must_be_whole,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -209,7 +216,19 @@ class DataPipeline(IterableDataset, PipelineStage):
 
     def state_dict(self) -> dict[str, Any]:
         """The state of the current iteration (a fresh plain-data dict): loading it resumes right after
-        the last item this pipeline handed out."""
+        the last item this pipeline handed out.
+
+        A stage that cannot save what it holds raises ``StateMismatchError`` here, naming itself, when you
+        ask; a DataLoader taking states on its own (worker snapshots) gets a state marked unresumable
+        instead, so training that never resumes goes on, and loading that state raises."""
+        state = self._state()
+        if states_must_be_whole():
+            reason = find_unresumable(state)
+            if reason is not None:
+                raise StateMismatchError(reason)
+        return state
+
+    def _state(self) -> dict[str, Any]:
         live = self._live() if self._live is not None else None
         if live is not None:
             return live.state_dict()
@@ -229,6 +248,9 @@ class DataPipeline(IterableDataset, PipelineStage):
             raise StateMismatchError("not a wdsraft pipeline state")
         if state.get("version") != STATE_VERSION:
             raise StateMismatchError(f"unsupported state version {state.get('version')!r}")
+        reason = find_unresumable(state)
+        if reason is not None:
+            raise StateMismatchError(f"this state cannot be resumed: {reason}")
         self.adopt_seeds(state)
         self._pending = copy.deepcopy(state)
         self._live = None
