@@ -40,6 +40,7 @@ from webdataset.utils import PipelineStage
 from wdsraft.core.distributed import WorkerInfo, worker_info
 from wdsraft.core.errors import StateMismatchError
 from wdsraft.core.state import STATE_FORMAT, STATE_VERSION, config_text, describe, differences, fingerprint
+from wdsraft.pipeline.nested import is_stateful_dataset
 from wdsraft.pipeline.passes import _Iteration, _Pass
 from wdsraft.pipeline.stage import (
     Context,
@@ -207,6 +208,8 @@ class DataPipeline(IterableDataset, PipelineStage):
         for stage in self.pipeline:
             if isinstance(stage, Stage):
                 stages.append({"stage": type(stage).__name__, **stage.config()})
+            elif is_stateful_dataset(stage) and callable(getattr(stage, "config", None)):
+                stages.append({"dataset": stage.config()})  # (a pipeline or a mix as the source)
             else:
                 stages.append(describe(stage))  # a curried webdataset stage: its function and arguments
         return {"stages": stages, "repetitions": self.repetitions, "nsamples": self.nsamples}
@@ -266,13 +269,21 @@ class DataPipeline(IterableDataset, PipelineStage):
             stage = self.pipeline[int(index)] if int(index) < len(self.pipeline) else None
             if isinstance(stage, Stage):
                 stage.adopt_seed(seed)
+            elif callable(getattr(stage, "adopt_seeds", None)):
+                stage.adopt_seeds(seed)  # (a pipeline or a mix as the source)
 
     def _drawn_seeds(self) -> dict[str, Any]:
-        return {
-            str(index): stage.drawn_seed()
-            for index, stage in enumerate(self.pipeline)
-            if isinstance(stage, Stage) and stage.drawn_seed() is not None
-        }
+        seeds = {}
+        for index, stage in enumerate(self.pipeline):
+            if isinstance(stage, Stage):
+                seed = stage.drawn_seed()
+            elif is_stateful_dataset(stage) and callable(getattr(stage, "seed_record", None)):
+                seed = stage.seed_record()
+            else:
+                continue
+            if seed is not None:
+                seeds[str(index)] = seed
+        return seeds
 
     def _initial_state(self) -> dict[str, Any]:
         info = worker_info()
