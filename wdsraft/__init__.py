@@ -35,7 +35,7 @@ from webdataset.handlers import (
 from webdataset.utils import PipelineStage, repeatedly
 from webdataset.writer import numpy_dumps, torch_dumps
 
-from wdsraft import autodecode, cache, extradatasets, handlers, llm, mix, pytorch  # noqa: F401 - submodules
+from wdsraft import autodecode, cache, extradatasets, handlers, llm, mix, pytorch, typecheck  # noqa: F401 - submodules
 from wdsraft.compat import FluidInterface, FluidWrapper, WebDataset, WebLoader
 from wdsraft.core import distributed  # noqa: F401 - submodule, as before the move
 from wdsraft.core.errors import IndexFormatError, LedgerError, StateMismatchError, TarFormatError

@@ -14,7 +14,7 @@ from webdataset.filters import (
 from wdsraft.core.errors import StateMismatchError
 from wdsraft.core.state import describe
 from wdsraft.pipeline.addresses import Address, pack_addresses, unpack_addresses
-from wdsraft.pipeline.stage import AddressTracker, Context, Stage, unresumable_state
+from wdsraft.pipeline.stage import AddressTracker, Context, SourceStage, Stage, unresumable_state
 
 
 class BatchFormat(Protocol):
@@ -95,9 +95,9 @@ class batched(Stage):
     def run(self, ctx: Context, src: Iterator[Any] | None, state: dict[str, Any] | None) -> Iterator[Any]:
         assert src is not None
         self._addresses = unpack_addresses(state["partial"]) if state else []  # type: ignore[assignment]
-        return self._batches(ctx, src)
+        return self._batches(ctx, src, look_ahead=not _after_a_merge(ctx, self.index))
 
-    def _batches(self, ctx: Context, src: Iterator[Any]) -> Iterator[Any]:
+    def _batches(self, ctx: Context, src: Iterator[Any], look_ahead: bool) -> Iterator[Any]:
         addresses = self._addresses
         batch: list[Any] = ctx.rematerializers[self.index](list(addresses)) if addresses else []  # type: ignore[arg-type]
         tracker = AddressTracker(ctx)
@@ -115,6 +115,13 @@ class batched(Stage):
                 continue
             batch.append(sample)
             addresses.append(address)
+            if not look_ahead and len(batch) >= self.batchsize:
+                # Items made by a merging stage (token chunks, batches) have no position and could not be saved
+                # if held: the batch goes out as soon as it is full.
+                out = self._emit(ctx, batch)
+                batch.clear()
+                addresses.clear()
+                yield out
         if batch and (len(batch) == self.batchsize or self.partial):
             out = self._emit(ctx, batch)
             batch.clear()
@@ -234,3 +241,11 @@ def _unbatched(data: Iterator[Any]) -> Iterator[Any]:
 def _unlisted(data: Iterator[Any]) -> Iterator[Any]:
     """webdataset's ``_unlisted``, run by :class:`unlisted`. Without state."""
     yield from unlisted()(data)
+
+
+def _after_a_merge(ctx: Context, index: int) -> bool:
+    """Whether a stage between the pipeline's source and stage ``index`` merges items (its ``replay`` is the
+    default one): the items reaching ``index`` then have no position."""
+    upstream = ctx.stages[:index]
+    start = max((i + 1 for i, stage in enumerate(upstream) if isinstance(stage, SourceStage)), default=0)
+    return any(isinstance(stage, Stage) and type(stage).replay is Stage.replay for stage in upstream[start:])

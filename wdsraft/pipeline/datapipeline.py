@@ -112,7 +112,7 @@ class DataPipeline(IterableDataset, PipelineStage):
                 stacklevel=2,
             )
         self.size = n
-        return _add_length_method(self)
+        return add_length_method(self)
 
     def with_epoch(self, nsamples: int = -1, nbatches: int = -1) -> DataPipeline:
         self.repetitions = sys.maxsize
@@ -327,7 +327,7 @@ def state_epoch(state: Any) -> int | None:
     return epoch + int(state.get("repetition", 0))
 
 
-def _add_length_method(obj: Any) -> Any:
+def add_length_method(obj: Any) -> Any:
     def length(self: Any) -> int:
         return self.size
 
