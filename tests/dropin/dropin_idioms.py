@@ -83,7 +83,7 @@ def lm_manifest(lib, manifest_path: str, seed: int = 3):
         lib.WebDataset(urls, shardshuffle=len(urls), nodesplitter=lib.split_by_node, seed=seed)
         .shuffle(7, seed=seed, **({"reshuffle_each_epoch": False} if lib.__name__ == "wdsraft" else {}))
         .decode()
-        .map(lambda sample: {"ids": [ord(c) % 97 for c in sample["txt"][:8]], "key": sample["__key__"]})
+        .map(lambda sample: {"ids": [ord(c) % 97 for c in sample.get("txt", "")[:8]], "key": sample["__key__"]})
         .to_tuple("key", "ids")
         .batched(4, collation_fn=None)
     )
@@ -107,7 +107,7 @@ def timm_style(lib, urls, seed: int = 5, epoch: int = -1):
         lib.tarfile_to_samples(handler=lib.warn_and_continue),
         lib.shuffle(8, rng=random.Random(seed + 1)),
         lib.decode(),
-        lib.to_tuple("__key__", "txt"),
+        lib.to_tuple("__key__", "json"),
     )
 
 
