@@ -88,7 +88,9 @@ def test_a_mix_with_a_buffer_after_it_resumes(text_urls, audio_urls) -> None:
 def test_a_mix_in_a_webloader_resumes(text_urls, audio_urls, workers) -> None:
     def make():
         mix = wds.RandomMix(_two(wds, [u for u in text_urls], audio_urls), longest=True, seed=6)
-        return wds.WebLoader(wds.DataPipeline(mix, wds.batched(2)), batch_size=None, num_workers=workers, snapshot_every_n_steps=3)
+        return wds.WebLoader(
+            wds.DataPipeline(mix, wds.batched(2)), batch_size=None, num_workers=workers, snapshot_every_n_steps=3
+        )
 
     assert_resumes_everywhere(make, kill_points=[0, 4, 9, 13], same_shape=False)
 

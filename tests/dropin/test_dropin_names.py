@@ -12,10 +12,25 @@ import webdataset
 
 import wdsraft as wds
 
-MODULES = (
-    "autodecode cache compat extradatasets filters gopen handlers mix multi pipeline pytorch shardlists "
-    "tariterators tenbin typecheck utils writer"
-).split()
+MODULES = [
+    "autodecode",
+    "cache",
+    "compat",
+    "extradatasets",
+    "filters",
+    "gopen",
+    "handlers",
+    "mix",
+    "multi",
+    "pipeline",
+    "pytorch",
+    "shardlists",
+    "tariterators",
+    "tenbin",
+    "typecheck",
+    "utils",
+    "writer",
+]
 
 
 def _defined(module: types.ModuleType) -> set[str]:

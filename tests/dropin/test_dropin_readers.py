@@ -4,8 +4,6 @@ cannot be located is refused when the state is asked for or loaded, never by sto
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import webdataset
 from dropin_idioms import clip_style, group_by_keys_nothrow, make_reader
@@ -54,11 +52,17 @@ def _urls(text_urls):
     "reader",
     [
         # webdataset's pieces as separate stages, webdataset's own grouper
-        lambda: [wds.tariterators.url_opener, wds.tariterators.tar_file_expander, webdataset.tariterators.group_by_keys],
+        lambda: [
+            wds.tariterators.url_opener,
+            wds.tariterators.tar_file_expander,
+            webdataset.tariterators.group_by_keys,
+        ],
         # one function (pipelinefilter'd), a grouper that keeps only __key__ and __url__
         lambda: [make_reader(wds)()],
         # a plain function, not curried
-        lambda: [lambda src: group_by_keys_nothrow(wds.tariterators.tar_file_expander(wds.tariterators.url_opener(src)))],
+        lambda: [
+            lambda src: group_by_keys_nothrow(wds.tariterators.tar_file_expander(wds.tariterators.url_opener(src)))
+        ],
     ],
     ids=["pieces", "pipelinefilter", "plain"],
 )
@@ -91,12 +95,16 @@ def _foreign(handler=None):
 
 def test_a_reader_without_positions_refuses_when_asked_not_while_training(tmp_path) -> None:
     def make():
-        return wds.DataPipeline(wds.SimpleShardList(URLS[0]), *_foreign(), wds.shuffle(6, seed=2), wds.to_tuple("__key__"))
+        return wds.DataPipeline(
+            wds.SimpleShardList(URLS[0]), *_foreign(), wds.shuffle(6, seed=2), wds.to_tuple("__key__")
+        )
 
     pipeline = make()
     iterator = iter(pipeline)
     head = [next(iterator) for _ in range(5)]
-    with pytest.raises(wds.StateMismatchError, match=r"stage 1 \(url_opener\+tar_file_expander\+group_by_keys_nothrow\)"):
+    with pytest.raises(
+        wds.StateMismatchError, match=r"stage 1 \(url_opener\+tar_file_expander\+group_by_keys_nothrow\)"
+    ):
         pipeline.state_dict()
     assert len(head) + len(list(iterator)) == 30  # training goes on
 
@@ -105,8 +113,12 @@ def test_a_reader_without_positions_refuses_when_asked_not_while_training(tmp_pa
 def test_webloader_snapshots_of_an_unresumable_pipeline_never_stop_training(workers) -> None:
     def make():
         dataset = wds.DataPipeline(
-            wds.SimpleShardList(URLS[0]), wds.split_by_worker, *_foreign(), wds.shuffle(6, seed=2),
-            wds.to_tuple("__key__"), wds.batched(2),
+            wds.SimpleShardList(URLS[0]),
+            wds.split_by_worker,
+            *_foreign(),
+            wds.shuffle(6, seed=2),
+            wds.to_tuple("__key__"),
+            wds.batched(2),
         )
         return wds.WebLoader(dataset, batch_size=None, num_workers=workers, snapshot_every_n_steps=1)
 
@@ -134,7 +146,9 @@ def test_uncurried_buffering_functions_inside_a_pipeline_refuse_to_resume(name) 
 
     def make():
         return wds.DataPipeline(
-            wds.SimpleShardList(URLS[0]), wds.tarfile_to_samples(), wds.to_tuple("__key__"),
+            wds.SimpleShardList(URLS[0]),
+            wds.tarfile_to_samples(),
+            wds.to_tuple("__key__"),
             lambda src: function(src, 5),
         )
 

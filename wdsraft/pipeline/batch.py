@@ -11,7 +11,6 @@ from webdataset.filters import (
     default_collation_fn,
 )
 
-from wdsraft.core.errors import StateMismatchError
 from wdsraft.core.state import describe
 from wdsraft.pipeline.addresses import Address, pack_addresses, unpack_addresses
 from wdsraft.pipeline.stage import AddressTracker, Context, SourceStage, Stage, unresumable_state

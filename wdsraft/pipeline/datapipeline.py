@@ -269,7 +269,7 @@ class DataPipeline(IterableDataset, PipelineStage):
             stage = self.pipeline[int(index)] if int(index) < len(self.pipeline) else None
             if isinstance(stage, Stage):
                 stage.adopt_seed(seed)
-            elif callable(getattr(stage, "adopt_seeds", None)):
+            elif stage is not None and callable(getattr(stage, "adopt_seeds", None)):
                 stage.adopt_seeds(seed)  # (a pipeline or a mix as the source)
 
     def _drawn_seeds(self) -> dict[str, Any]:

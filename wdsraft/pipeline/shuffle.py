@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from typing import Any
 
 from wdsraft.core.distributed import worker_info
-from wdsraft.core.errors import StateMismatchError
 from wdsraft.core.state import describe, make_seed, pack_rng, unpack_rng
 from wdsraft.pipeline.addresses import Address, pack_addresses, unpack_addresses
 from wdsraft.pipeline.stage import AddressTracker, Context, Stage, note_plain_run, unresumable_state

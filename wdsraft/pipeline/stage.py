@@ -42,7 +42,7 @@ class Context:
         self.stages: list[Any] = []
         #: A ``SkipSet`` for this epoch (a ledger's consumed set, on an elastic resume): what the source leaves out.
         self.skip: SkipSet | None = None
-        #: Stages run as plain functions inside this pass (``wds.filters._shuffle``...): what they hold is saved nowhere.
+        #: Stages run as plain functions inside this pass (``wds.filters._shuffle``): what they hold is saved nowhere.
         self.unsaved: list[str] = []
 
     def stamp(self, address: Address) -> None:
