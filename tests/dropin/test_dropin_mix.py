@@ -41,11 +41,43 @@ def test_random_mix_is_webdatasets_stream_for_the_same_global_seed(text_urls, au
     assert len(ours) == 50 if longest else len(ours) < 50
 
 
+def _three(lib, text_urls, audio_urls):
+    return [*_two(lib, text_urls, audio_urls), lib.WebDataset(audio_urls[:1], shardshuffle=False).to_tuple("__key__")]
+
+
 @pytest.mark.parametrize("longest", [False, True])
 def test_round_robin_is_webdatasets_stream(text_urls, audio_urls, longest) -> None:
-    ours = [identity(x) for x in wds.RoundRobin(_two(wds, text_urls, audio_urls), longest=longest)]
-    theirs = [identity(x) for x in webdataset.RoundRobin(_two(webdataset, text_urls, audio_urls), longest=longest)]
-    assert ours == theirs and len(ours) == (50 if longest else 41)
+    ours = [identity(x) for x in wds.RoundRobin(_three(wds, text_urls, audio_urls), longest=longest)]
+    theirs = [identity(x) for x in webdataset.RoundRobin(_three(webdataset, text_urls, audio_urls), longest=longest)]
+    assert ours == theirs and len(ours) == (56 if longest else 20)
+
+
+@pytest.mark.parametrize(
+    "make_mix",
+    [
+        lambda ds: wds.RandomMix(ds, longest=True),
+        lambda ds: wds.DataPipeline(wds.RoundRobin(ds), wds.shuffle(5, seed=1)),
+        lambda ds: wds.DataPipeline(ds[0], wds.shuffle(5, seed=1)),  # a pipeline as another's source
+    ],
+    ids=["random-mix", "round-robin-nested", "nested-pipeline"],
+)
+def test_the_next_epoch_after_a_restore_between_epochs_is_the_uninterrupted_one(text_urls, make_mix) -> None:
+    """Datasets with drawn seeds and shard shuffles: their epoch and seeds follow the outer pipeline's."""
+
+    def make():
+        datasets = [
+            wds.WebDataset(text_urls, shardshuffle=5).shuffle(4).to_tuple("__key__"),
+            wds.WebDataset(text_urls[:2], shardshuffle=5).to_tuple("__key__"),
+        ]
+        return make_mix(datasets)
+
+    pipeline = make()
+    first = [identity(x) for x in pipeline]
+    state = pipeline.state_dict()
+    second = [identity(x) for x in pipeline]
+    fresh = make()
+    fresh.load_state_dict(state)
+    assert [identity(x) for x in fresh] == second != first
 
 
 @pytest.mark.parametrize(

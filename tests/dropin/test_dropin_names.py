@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib
 import random
+import subprocess
+import sys
 import types
 
 import pytest
@@ -63,6 +65,14 @@ def test_every_name_of_webdatasets_module_resolves_in_wdsraft(name) -> None:
 def test_every_top_level_name_of_webdataset_resolves() -> None:
     missing = [n for n in dir(webdataset) if not n.startswith("__") and not hasattr(wds, n)]
     assert not missing, missing
+
+
+def test_modules_resolve_as_attributes_right_after_import() -> None:
+    """``import wdsraft as wds; wds.typecheck``... with no other import first (a fresh interpreter)."""
+    names = [name for name in MODULES if name != "multi"]  # (multi needs pyzmq, and webdataset's is not eager)
+    code = f"import wdsraft as wds; print(all(hasattr(wds, n) for n in {names!r}))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "True"
 
 
 def _pulls_at_each_batch(lib, batchsize: int, n: int) -> list[int]:
