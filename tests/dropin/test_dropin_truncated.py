@@ -36,7 +36,7 @@ def test_a_truncated_gzip_shard_yields_what_webdataset_yields(gz_shard, tmp_path
         path = tmp_path / f"cut-{fraction}.tar.gz"
         path.write_bytes(gz_shard[: int(len(gz_shard) * fraction)])
 
-        def keys(lib):
+        def keys(lib, path=path):
             dataset = lib.WebDataset(str(path), shardshuffle=False, handler=getattr(lib, handler), empty_check=False)
             return [sample["__key__"] for sample in dataset]
 
