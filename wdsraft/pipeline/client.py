@@ -104,7 +104,8 @@ def _replayable_shard_list(stage: Any) -> bool:
     if isinstance(stage, Stage):
         return stage.epoch_start_state() is not None
     if isinstance(stage, list):  # (shard URLs, not items of some other kind)
-        return bool(stage) and all(isinstance(x, str) or (isinstance(x, dict) and "url" in x) for x in stage)
+        first = stage[0] if stage else None  # (the first item only: a list of samples may be long)
+        return isinstance(first, str) or (isinstance(first, dict) and "url" in first and "__key__" not in first)
     return isinstance(stage, webdataset.shardlists.SimpleShardList)
 
 
