@@ -4,6 +4,7 @@ module of the same name, and the pieces pull from upstream exactly as webdataset
 from __future__ import annotations
 
 import importlib
+import pickle
 import random
 import subprocess
 import sys
@@ -107,3 +108,22 @@ def test_a_live_rng_shared_by_a_shuffle_after_batched_draws_as_webdatasets() -> 
         return list(pipeline)
 
     assert stream(wds) == stream(webdataset)
+
+
+@pytest.mark.parametrize(
+    "name, args, kw",
+    [
+        ("shuffle", (100,), {"initial": 10}),
+        ("batched", (4,), {"partial": False}),
+        ("unbatched", (), {}),
+        ("unlisted", (), {}),
+        ("rsample", (0.3,), {}),
+        ("slice", (2, 10), {}),
+    ],
+)
+def test_curried_stage_attributes_are_webdatasets(name, args, kw) -> None:
+    """webdataset's curried stages expose .f, .args and .kw (code reads them to inspect a pipeline)."""
+    theirs, ours = getattr(webdataset.filters, name)(*args, **kw), getattr(wds.filters, name)(*args, **kw)
+    assert (ours.args, ours.kw, ours.f.__name__) == (theirs.args, theirs.kw, theirs.f.__name__)
+    copied = pickle.loads(pickle.dumps(ours))
+    assert (copied.args, copied.kw) == (ours.args, ours.kw)

@@ -13,7 +13,7 @@ from webdataset.filters import (
 
 from wdsraft.core.state import describe
 from wdsraft.pipeline.addresses import Address, pack_addresses, unpack_addresses
-from wdsraft.pipeline.stage import AddressTracker, Context, SourceStage, Stage, unresumable_state
+from wdsraft.pipeline.stage import AddressTracker, Context, Curried, SourceStage, Stage, unresumable_state
 
 
 class BatchFormat(Protocol):
@@ -62,7 +62,7 @@ def _format_of_items(collation_fn: Any, first: Any) -> BatchFormat | None:
     return None
 
 
-class batched(Stage):
+class batched(Curried, Stage):
     """Group items into batches of ``batchsize`` (collated with ``collation_fn``), as webdataset's.
 
     As webdataset's, a full batch is handed out when the item after it arrives, so between two batches
@@ -137,7 +137,7 @@ class batched(Stage):
         return self.collation_fn(list(batch))
 
 
-class _Splitter(Stage):
+class _Splitter(Curried, Stage):
     """Shared machinery of unbatched/unlisted: hands out the items of each incoming group one by one."""
 
     def __init__(self) -> None:
@@ -248,3 +248,8 @@ def _after_a_merge(ctx: Context, index: int) -> bool:
     upstream = ctx.stages[:index]
     start = max((i + 1 for i, stage in enumerate(upstream) if isinstance(stage, SourceStage)), default=0)
     return any(isinstance(stage, Stage) and type(stage).replay is Stage.replay for stage in upstream[start:])
+
+
+batched.f = staticmethod(_batched)
+unbatched.f = staticmethod(_unbatched)
+unlisted.f = staticmethod(_unlisted)

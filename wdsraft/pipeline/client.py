@@ -207,11 +207,8 @@ class ClientReader(SourceStage):
                     )
                 if resume["done"]:
                     continue
-                source = (
-                    {**source, "offset": resume["offset"]}
-                    if isinstance(source, dict)
-                    else {"url": source, "offset": resume["offset"]}
-                )
+                if isinstance(source, dict):  # (another kind of shard item is read from its start: see _samples)
+                    source = {**source, "offset": resume["offset"]}
             yield source
         if resume is not None and started < resume["shards_started"]:
             raise StateMismatchError(

@@ -14,10 +14,10 @@ from typing import Any
 from wdsraft.core.distributed import worker_info
 from wdsraft.core.state import describe, make_seed, pack_rng, unpack_rng
 from wdsraft.pipeline.addresses import Address, pack_addresses, unpack_addresses
-from wdsraft.pipeline.stage import AddressTracker, Context, Stage, note_plain_run, unresumable_state
+from wdsraft.pipeline.stage import AddressTracker, Context, Curried, Stage, note_plain_run, unresumable_state
 
 
-class shuffle(Stage):
+class shuffle(Curried, Stage):
     """Buffer shuffle, webdataset's algorithm: fill to ``initial``, then pick at random while refilling.
 
     State: the RNG (2.5 KB), the buffered items as addresses (their positions in the
@@ -216,3 +216,6 @@ def _shuffle(
     """webdataset's ``_shuffle`` (the function its ``shuffle`` curries), run by :class:`shuffle`: the same
     stream for the same ``rng`` or ``seed``, and the same draws from a given ``rng``. Without state."""
     yield from shuffle(bufsize, initial, rng=rng, seed=seed, handler=handler)(data)
+
+
+shuffle.f = staticmethod(_shuffle)

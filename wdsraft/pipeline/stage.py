@@ -133,6 +133,20 @@ class Stage:
         return self.run(Context(0, worker_info()), src, None)
 
 
+class Curried:
+    """What webdataset's curried stages (``pipelinefilter(f)(*args, **kw)``) expose: ``.f``, the uncurried
+    function (set by each class), and ``.args`` / ``.kw``, the arguments the stage was made with."""
+
+    f: Any = None
+    args: tuple[Any, ...]
+    kw: dict[str, Any]
+
+    def __new__(cls, *args: Any, **kw: Any) -> Any:
+        stage = super().__new__(cls)
+        stage.args, stage.kw = args, kw
+        return stage
+
+
 class SourceStage(Stage):
     """A stage that produces raw items with addresses and can re-read items by address."""
 
