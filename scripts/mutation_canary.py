@@ -141,18 +141,24 @@ MUTATIONS: tuple[Mutation, ...] = (
         "shuffle-rng-not-restored",
         "a resumed shuffle restarts its RNG from the seed instead of the saved RNG state: the order after "
         "a resume differs",
-        'unpack_rng(state["rng"]) if state is not None and state.get("rng") is not None else self._epoch_rng(ctx)',
-        "self._epoch_rng(ctx)",
+        '            rng = unpack_rng(state["rng"])\n            if self.rng is not None:',
+        "            rng = self._epoch_rng(ctx)\n            if self.rng is not None:",
         ("tests/pipeline/test_pipeline.py::test_restore_at_every_step",),
     ),
     Mutation(
         "batched-clears-after-yield",
         "batched forgets a full batch only after it was handed out: a state taken right after a batch "
         "saves it as a partial batch, and a resume delivers its samples again",
-        "                batch.clear()  # before handing it out: a checkpoint taken now holds no partial batch\n"
+        "                batch.clear()\n"
         "                addresses.clear()\n"
+        "                batch.append(sample)\n"
+        "                addresses.append(address)\n"
         "                yield out\n",
-        "                yield out\n                batch.clear()\n                addresses.clear()\n",
+        "                yield out\n"
+        "                batch.clear()\n"
+        "                addresses.clear()\n"
+        "                batch.append(sample)\n"
+        "                addresses.append(address)\n",
         ("tests/pipeline/test_pipeline.py::test_restore_at_every_step",),
     ),
     Mutation(

@@ -32,11 +32,10 @@ from webdataset.handlers import (
     warn_and_continue,
     warn_and_stop,
 )
-from webdataset.mix import RandomMix, RoundRobin
 from webdataset.utils import PipelineStage, repeatedly
 from webdataset.writer import numpy_dumps, torch_dumps
 
-from wdsraft import autodecode, cache, extradatasets, handlers, llm, mix, pytorch  # noqa: F401 - submodules
+from wdsraft import autodecode, cache, extradatasets, handlers, llm, mix, pytorch, typecheck  # noqa: F401 - submodules
 from wdsraft.compat import FluidInterface, FluidWrapper, WebDataset, WebLoader
 from wdsraft.core import distributed  # noqa: F401 - submodule, as before the move
 from wdsraft.core.errors import (
@@ -83,6 +82,7 @@ from wdsraft.llm.collate import collate_sequences
 from wdsraft.llm.pack import pack_bestfit
 from wdsraft.llm.tokenize_stage import tokenize
 from wdsraft.llm.tokenizers import as_tokenizer
+from wdsraft.mix import RandomMix, RoundRobin
 from wdsraft.pipeline import DataPipeline, Stage
 from wdsraft.pipeline.ends import until_all_ranks_end
 from wdsraft.shardlists import (

@@ -19,6 +19,7 @@ from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 from webdataset import shardlists as webdataset_shardlists
 from webdataset.compat import FluidInterface as WebdatasetFluidInterface
+from webdataset.compat import check_empty
 from webdataset.handlers import reraise_exception
 
 from wdsraft import filters, llm
@@ -28,7 +29,7 @@ from wdsraft.pipeline.loader import DieWithParent, LoaderSource, convert_batch
 from wdsraft.pipeline.shardlists import ResampledShards, SimpleShardList, single_node_only, split_by_worker
 from wdsraft.pipeline.source import TarfileToSamples
 
-__all__ = ["FluidInterface", "FluidWrapper", "WebDataset", "WebLoader"]
+__all__ = ["FluidInterface", "FluidWrapper", "WebDataset", "WebLoader", "check_empty"]
 
 
 class FluidInterface(WebdatasetFluidInterface):

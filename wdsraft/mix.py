@@ -1,7 +1,15 @@
-"""webdataset's ``mix`` module, used as it is: ``wdsraft.mix`` *is* ``webdataset.mix``."""
+"""webdataset's ``mix`` module name: checkpointable ``RandomMix`` and ``RoundRobin`` (``wdsraft.pipeline.mix``),
+with webdataset's signatures and streams, and webdataset's stateless mixing functions as they are."""
 
-import sys
+from webdataset.mix import IterableDataset, random_samples, round_robin_longest, round_robin_shortest
 
-from webdataset import mix as _webdataset_module
+from wdsraft.pipeline.mix import RandomMix, RoundRobin
 
-sys.modules[__name__] = _webdataset_module
+__all__ = [
+    "IterableDataset",
+    "RandomMix",
+    "RoundRobin",
+    "random_samples",
+    "round_robin_longest",
+    "round_robin_shortest",
+]

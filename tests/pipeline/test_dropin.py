@@ -253,11 +253,10 @@ def _second_epoch(make):
     return list(pipeline)
 
 
-def test_a_pipeline_without_a_wdsraft_source_refuses_to_resume_mid_epoch(tmp_path) -> None:
-    """A reader built from webdataset's pieces (url_opener + tar_file_expander + group_by_keys) carries no
-    position: a mid-epoch state cannot seek back, and restoring it silently started the epoch again (the
-    items delivered before the checkpoint came twice). It is refused now, naming what to use instead; a
-    state taken at an epoch's end still resumes."""
+def test_a_reader_from_webdatasets_pieces_resumes_mid_epoch(tmp_path) -> None:
+    """A reader built from webdataset's pieces (url_opener + tar_file_expander + group_by_keys) used to carry
+    no position (a mid-epoch state restarted the epoch, later it was refused); wdsraft's expander now tells
+    the pipeline where each sample starts, so it resumes exactly, at every point and across epochs."""
     import webdataset
 
     with wds.ShardWriter(str(tmp_path / "s-%02d.tar"), maxcount=10, verbose=0) as sink:
@@ -271,24 +270,27 @@ def test_a_pipeline_without_a_wdsraft_source_refuses_to_resume_mid_epoch(tmp_pat
             wds.tariterators.url_opener,
             wds.tariterators.tar_file_expander,
             webdataset.tariterators.group_by_keys,
-        )
+        ).repeat(2)
+
+    stream = assert_resumes_everywhere(make)
+    assert [identity(key) for key in stream] == [f"{n:05d}" for n in range(30)] * 2
+
+
+def test_a_pipeline_without_positions_still_refuses_mid_epoch() -> None:
+    """Items from a plain iterable have no position: a mid-epoch state is refused when loaded."""
+
+    def make() -> wds.DataPipeline:
+        return wds.DataPipeline([[{"n": n} for n in range(12)]], wds.map(lambda item: item["n"]))
 
     pipeline = make()
     iterator = iter(pipeline)
-    for _ in range(10):
-        next(iterator)
-    mid_epoch = pipeline.state_dict()
-    rest = [sample["__key__"] for sample in iterator]
-    end_of_epoch = pipeline.state_dict()
-
+    head = [next(iterator) for _ in range(4)]
+    state = pipeline.state_dict()
     fresh = make()
-    fresh.load_state_dict(mid_epoch)
-    with pytest.raises(wds.StateMismatchError, match="cannot resume this pipeline 10 items into epoch 0"):
+    fresh.load_state_dict(state)
+    with pytest.raises(wds.StateMismatchError, match="cannot resume this pipeline 4 items into epoch 0"):
         next(iter(fresh))
-    assert len(rest) == 20
-    again = make()
-    again.load_state_dict(end_of_epoch)
-    assert [sample["__key__"] for sample in again] == [f"{n:05d}" for n in range(30)]  # the next epoch, whole
+    assert head + list(iterator) == list(range(12))
 
 
 class _Counting(wds.Stage):

@@ -8,7 +8,7 @@ never ``wdsraft.llm`` or ``wdsraft.ledger``, which plug into the hooks it opens.
 from webdataset.utils import PipelineStage
 
 from wdsraft.pipeline.addresses import Address, pack_addresses, unpack_addresses
-from wdsraft.pipeline.datapipeline import DataPipeline, state_epoch
+from wdsraft.pipeline.datapipeline import DataPipeline, add_length_method, state_epoch
 from wdsraft.pipeline.stage import AddressTracker, Context, SourceStage, Stage, invoke_stage
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "PipelineStage",
     "SourceStage",
     "Stage",
+    "add_length_method",
     "invoke_stage",
     "pack_addresses",
     "state_epoch",

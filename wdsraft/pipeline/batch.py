@@ -11,10 +11,9 @@ from webdataset.filters import (
     default_collation_fn,
 )
 
-from wdsraft.core.errors import StateMismatchError
 from wdsraft.core.state import describe
 from wdsraft.pipeline.addresses import Address, pack_addresses, unpack_addresses
-from wdsraft.pipeline.stage import AddressTracker, Context, Stage
+from wdsraft.pipeline.stage import AddressTracker, Context, Curried, SourceStage, Stage, unresumable_state
 
 
 class BatchFormat(Protocol):
@@ -63,11 +62,11 @@ def _format_of_items(collation_fn: Any, first: Any) -> BatchFormat | None:
     return None
 
 
-class batched(Stage):
+class batched(Curried, Stage):
     """Group items into batches of ``batchsize`` (collated with ``collation_fn``), as webdataset's.
 
-    A batch is handed out as soon as it is full, so between two batches nothing is held;
-    the partial batch at a checkpoint (if batching is not the last stage) is saved as addresses.
+    As webdataset's, a full batch is handed out when the item after it arrives, so between two batches
+    that item is held; the partial batch at a checkpoint is saved as its items' addresses.
     """
 
     def __init__(
@@ -83,7 +82,10 @@ class batched(Stage):
 
     def state_dict(self) -> dict[str, Any]:
         if None in self._addresses:
-            raise StateMismatchError(f"cannot save stage {self.index} (batched): its partial batch has no positions")
+            return unresumable_state(
+                f"cannot save stage {self.index} (batched): items of its partial batch have no position in the "
+                "shards (a stage before it merges items, or the pipeline's reader gives no positions)"
+            )
         return {"partial": pack_addresses(self._addresses)}  # type: ignore[arg-type]
 
     def addresses(self) -> list[Address]:
@@ -92,18 +94,31 @@ class batched(Stage):
     def run(self, ctx: Context, src: Iterator[Any] | None, state: dict[str, Any] | None) -> Iterator[Any]:
         assert src is not None
         self._addresses = unpack_addresses(state["partial"]) if state else []  # type: ignore[assignment]
-        return self._batches(ctx, src)
+        return self._batches(ctx, src, look_ahead=not _after_a_merge(ctx, self.index))
 
-    def _batches(self, ctx: Context, src: Iterator[Any]) -> Iterator[Any]:
+    def _batches(self, ctx: Context, src: Iterator[Any], look_ahead: bool) -> Iterator[Any]:
         addresses = self._addresses
         batch: list[Any] = ctx.rematerializers[self.index](list(addresses)) if addresses else []  # type: ignore[arg-type]
         tracker = AddressTracker(ctx)
         for sample in src:
-            batch.append(sample)
-            addresses.append(tracker.address())
+            address = tracker.address()
             if len(batch) >= self.batchsize:
+                # As webdataset's: a full batch goes out when the item after it arrives (the same pulls from
+                # upstream, so a live RNG shared with other passes draws the same); that item is held, by address.
                 out = self._emit(ctx, batch)
-                batch.clear()  # before handing it out: a checkpoint taken now holds no partial batch
+                batch.clear()
+                addresses.clear()
+                batch.append(sample)
+                addresses.append(address)
+                yield out
+                continue
+            batch.append(sample)
+            addresses.append(address)
+            if not look_ahead and len(batch) >= self.batchsize:
+                # Items made by a merging stage (token chunks, batches) have no position and could not be saved
+                # if held: the batch goes out as soon as it is full.
+                out = self._emit(ctx, batch)
+                batch.clear()
                 addresses.clear()
                 yield out
         if batch and (len(batch) == self.batchsize or self.partial):
@@ -122,7 +137,7 @@ class batched(Stage):
         return self.collation_fn(list(batch))
 
 
-class _Splitter(Stage):
+class _Splitter(Curried, Stage):
     """Shared machinery of unbatched/unlisted: hands out the items of each incoming group one by one."""
 
     def __init__(self) -> None:
@@ -139,7 +154,7 @@ class _Splitter(Stage):
 
     def state_dict(self) -> dict[str, Any]:
         if self._pending and self._group_address is None:
-            raise StateMismatchError(
+            return unresumable_state(
                 f"cannot save stage {self.index} ({type(self).__name__}): it is in the middle of a batch made "
                 "inside this pipeline, which cannot be re-read; put unbatching after a DataLoader (WebLoader) "
                 "or save between batches"
@@ -225,3 +240,16 @@ def _unbatched(data: Iterator[Any]) -> Iterator[Any]:
 def _unlisted(data: Iterator[Any]) -> Iterator[Any]:
     """webdataset's ``_unlisted``, run by :class:`unlisted`. Without state."""
     yield from unlisted()(data)
+
+
+def _after_a_merge(ctx: Context, index: int) -> bool:
+    """Whether a stage between the pipeline's source and stage ``index`` merges items (its ``replay`` is the
+    default one): the items reaching ``index`` then have no position."""
+    upstream = ctx.stages[:index]
+    start = max((i + 1 for i, stage in enumerate(upstream) if isinstance(stage, SourceStage)), default=0)
+    return any(isinstance(stage, Stage) and type(stage).replay is Stage.replay for stage in upstream[start:])
+
+
+batched.f = staticmethod(_batched)
+unbatched.f = staticmethod(_unbatched)
+unlisted.f = staticmethod(_unlisted)

@@ -40,8 +40,16 @@ from webdataset.utils import PipelineStage
 from wdsraft.core.distributed import WorkerInfo, worker_info
 from wdsraft.core.errors import StateMismatchError
 from wdsraft.core.state import STATE_FORMAT, STATE_VERSION, config_text, describe, differences, fingerprint
+from wdsraft.pipeline.nested import is_stateful_dataset
 from wdsraft.pipeline.passes import _Iteration, _Pass
-from wdsraft.pipeline.stage import Context, Stage, in_dataloader_worker, invoke_stage
+from wdsraft.pipeline.stage import (
+    Context,
+    Stage,
+    find_unresumable,
+    in_dataloader_worker,
+    invoke_stage,
+    states_must_be_whole,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +112,7 @@ class DataPipeline(IterableDataset, PipelineStage):
                 stacklevel=2,
             )
         self.size = n
-        return _add_length_method(self)
+        return add_length_method(self)
 
     def with_epoch(self, nsamples: int = -1, nbatches: int = -1) -> DataPipeline:
         self.repetitions = sys.maxsize
@@ -200,6 +208,8 @@ class DataPipeline(IterableDataset, PipelineStage):
         for stage in self.pipeline:
             if isinstance(stage, Stage):
                 stages.append({"stage": type(stage).__name__, **stage.config()})
+            elif is_stateful_dataset(stage) and callable(getattr(stage, "config", None)):
+                stages.append({"dataset": stage.config()})  # (a pipeline or a mix as the source)
             else:
                 stages.append(describe(stage))  # a curried webdataset stage: its function and arguments
         return {"stages": stages, "repetitions": self.repetitions, "nsamples": self.nsamples}
@@ -209,7 +219,19 @@ class DataPipeline(IterableDataset, PipelineStage):
 
     def state_dict(self) -> dict[str, Any]:
         """The state of the current iteration (a fresh plain-data dict): loading it resumes right after
-        the last item this pipeline handed out."""
+        the last item this pipeline handed out.
+
+        A stage that cannot save what it holds raises ``StateMismatchError`` here, naming itself, when you
+        ask; a DataLoader taking states on its own (worker snapshots) gets a state marked unresumable
+        instead, so training that never resumes goes on, and loading that state raises."""
+        state = self._state()
+        if states_must_be_whole():
+            reason = find_unresumable(state)
+            if reason is not None:
+                raise StateMismatchError(reason)
+        return state
+
+    def _state(self) -> dict[str, Any]:
         live = self._live() if self._live is not None else None
         if live is not None:
             return live.state_dict()
@@ -229,6 +251,9 @@ class DataPipeline(IterableDataset, PipelineStage):
             raise StateMismatchError("not a wdsraft pipeline state")
         if state.get("version") != STATE_VERSION:
             raise StateMismatchError(f"unsupported state version {state.get('version')!r}")
+        reason = find_unresumable(state)
+        if reason is not None:
+            raise StateMismatchError(f"this state cannot be resumed: {reason}")
         self.adopt_seeds(state)
         self._pending = copy.deepcopy(state)
         self._live = None
@@ -244,13 +269,21 @@ class DataPipeline(IterableDataset, PipelineStage):
             stage = self.pipeline[int(index)] if int(index) < len(self.pipeline) else None
             if isinstance(stage, Stage):
                 stage.adopt_seed(seed)
+            elif stage is not None and callable(getattr(stage, "adopt_seeds", None)):
+                stage.adopt_seeds(seed)  # (a pipeline or a mix as the source)
 
     def _drawn_seeds(self) -> dict[str, Any]:
-        return {
-            str(index): stage.drawn_seed()
-            for index, stage in enumerate(self.pipeline)
-            if isinstance(stage, Stage) and stage.drawn_seed() is not None
-        }
+        seeds = {}
+        for index, stage in enumerate(self.pipeline):
+            if isinstance(stage, Stage):
+                seed = stage.drawn_seed()
+            elif is_stateful_dataset(stage) and callable(getattr(stage, "seed_record", None)):
+                seed = stage.seed_record()
+            else:
+                continue
+            if seed is not None:
+                seeds[str(index)] = seed
+        return seeds
 
     def _initial_state(self) -> dict[str, Any]:
         info = worker_info()
@@ -294,7 +327,7 @@ def state_epoch(state: Any) -> int | None:
     return epoch + int(state.get("repetition", 0))
 
 
-def _add_length_method(obj: Any) -> Any:
+def add_length_method(obj: Any) -> Any:
     def length(self: Any) -> int:
         return self.size
 

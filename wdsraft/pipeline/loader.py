@@ -15,7 +15,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from wdsraft.core.state import describe
 from wdsraft.pipeline.addresses import Address
-from wdsraft.pipeline.stage import Context, SourceStage, Stage
+from wdsraft.pipeline.stage import Context, SourceStage, Stage, quiet_states
 
 
 class LoaderSource(SourceStage):
@@ -71,8 +71,9 @@ class LoaderSource(SourceStage):
         # Re-fetch now the batches whose items the restored stages downstream hold: they ask for them
         # before they pull anything from this stage.
         for _ in range(state["replay"] if state is not None else 0):
-            self._snapshots[self._fetched] = self.loader.state_dict()
-            self._replayed[self._fetched] = next(iterator)
+            self._snapshots[self._fetched] = self._loader_state()
+            with quiet_states():
+                self._replayed[self._fetched] = next(iterator)
             self._fetched += 1
         return self._batches(ctx, iterator)
 
@@ -82,9 +83,10 @@ class LoaderSource(SourceStage):
         keep = any(isinstance(stage, Stage) for stage in ctx.stages[self.index + 1 :])
         while True:
             if keep:
-                self._snapshots[self._fetched] = self.loader.state_dict()
+                self._snapshots[self._fetched] = self._loader_state()
             try:
-                batch = next(iterator)
+                with quiet_states():  # (the loader's own snapshots of its dataset's state)
+                    batch = next(iterator)
             except StopIteration:
                 self._snapshots.pop(self._fetched, None)
                 return
@@ -106,11 +108,17 @@ class LoaderSource(SourceStage):
         oldest = min((address[0] for address in live_addresses), default=self._fetched)
         snapshot = self._snapshots.get(oldest)
         if snapshot is None:  # nothing held: the loader's state now
-            snapshot, oldest = self.loader.state_dict(), self._fetched
+            snapshot, oldest = self._loader_state(), self._fetched
         return {"loader": snapshot, "base": oldest, "replay": self._fetched - oldest}
 
     def rematerialize(self, addresses: list[Address]) -> list[Any]:
         return [self._replayed[address[0]] for address in addresses]
+
+    def _loader_state(self) -> dict[str, Any]:
+        # What cannot be restored is marked, not raised, here: the pipeline that holds this loader raises
+        # when the user asks for its state.
+        with quiet_states():
+            return self.loader.state_dict()
 
 
 #: In a DataLoader worker, a function ``(batch, dataset) -> object | None`` that may give a batch a

@@ -14,7 +14,16 @@ from wdsraft.core.distributed import WorkerInfo
 from wdsraft.core.errors import StateMismatchError
 from wdsraft.core.state import STATE_FORMAT, STATE_VERSION, config_text
 from wdsraft.pipeline.addresses import Address
-from wdsraft.pipeline.stage import Context, SourceStage, Stage, invoke_stage
+from wdsraft.pipeline.client import ClientReader, client_reader_span, composed, passed_through
+from wdsraft.pipeline.nested import PipelineSource, is_stateful_dataset
+from wdsraft.pipeline.stage import (
+    Context,
+    SourceStage,
+    Stage,
+    invoke_stage,
+    set_active_context,
+    unresumable_state,
+)
 
 if TYPE_CHECKING:  # (the pipeline imports this module to run its passes)
     from wdsraft.pipeline.datapipeline import DataPipeline
@@ -31,6 +40,20 @@ class _Pass:
         self.states = states or {}
         self.stages = pipeline.pipeline
         self.source_index = next((i for i, s in enumerate(self.stages) if isinstance(s, SourceStage)), None)
+        if self.source_index is None and self.stages and is_stateful_dataset(self.stages[0]):
+            # A checkpointable dataset (a pipeline, a mix) as the first stage: a source, for this pass.
+            self.stages = [PipelineSource(self.stages[0]), *self.stages[1:]]
+            self.source_index = 0
+        if self.source_index is None:
+            # A reader the client built from webdataset's pieces (url_opener + tar_file_expander + a grouper):
+            # wrapped, for this pass, in a source stage that finds its samples' positions.
+            span = client_reader_span(self.stages)
+            if span is not None:
+                first, last = span
+                stages = self.stages = list(self.stages)
+                function = stages[first] if first == last else composed(stages[first : last + 1], pipeline.invoke)
+                stages[first : last + 1] = [ClientReader(function, pipeline.invoke)] + [passed_through] * (last - first)
+                self.source_index = first
 
     def resumes_mid_pass(self) -> bool:
         """Whether a state taken inside this pass can seek back there: the pipeline has a source stage
@@ -42,6 +65,13 @@ class _Pass:
         return isinstance(first, Stage) and first.epoch_start_state() is None
 
     def iterator(self) -> Iterator[Any]:
+        previous = set_active_context(self.ctx)  # (stages whose call already runs something: see note_plain_run)
+        try:
+            return self._chain()
+        finally:
+            set_active_context(previous)
+
+    def _chain(self) -> Iterator[Any]:
         ctx, stages = self.ctx, self.stages
         ctx.stages = stages
         source: Any = None
@@ -94,7 +124,7 @@ class _Pass:
             if self.source_index is not None and index < self.source_index:
                 states[str(index)] = stage.epoch_start_state()
             elif isinstance(stage, SourceStage):
-                continue  # saved last: it needs the addresses the stages after it hold
+                states[str(index)] = None  # saved last (it needs the addresses the stages after it hold), in order
             else:
                 states[str(index)] = stage.state_dict()
         if self.source_index is not None:
@@ -102,6 +132,12 @@ class _Pass:
             if source.needs_live_addresses:
                 live = self.ctx.live_addresses()
             states[str(self.source_index)] = source.source_state(live)
+        if self.ctx.unsaved:
+            states["unsaved"] = unresumable_state(
+                f"cannot save this pipeline: {', '.join(self.ctx.unsaved)} runs as a plain function inside it "
+                "(wds.filters._shuffle(src), stage(src)...), so what it holds is saved nowhere; put the stage "
+                "itself in the pipeline (wds.shuffle(...))"
+            )
         return states
 
 
@@ -170,7 +206,7 @@ class _Iteration:
                 )
             self.stage_states = None
             window_full = False
-            for item in self.current.iterator():
+            for item in _pulled_as(ctx, self.current.iterator()):
                 self.yielded += 1
                 self.pass_count += 1
                 yield item
@@ -209,3 +245,21 @@ class _Iteration:
             "stages": self.current.state() if self.current is not None else copy.deepcopy(self.stage_states),
             **pipeline.seed_record(),
         }
+
+
+def _pulled_as(ctx: Context, items: Iterator[Any]) -> Iterator[Any]:
+    """``items``, with ``ctx`` the active pass on this thread while the first is pulled: stages that run as
+    plain functions (``wds.filters._shuffle``) start then, and report themselves to it. (Only the first:
+    setting it around every item cost about a microsecond per item.)"""
+    previous = set_active_context(ctx)
+    try:
+        first = next(items, _NOTHING)
+    finally:
+        set_active_context(previous)
+    if first is _NOTHING:
+        return
+    yield first
+    yield from items
+
+
+_NOTHING = object()

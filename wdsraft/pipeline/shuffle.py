@@ -12,13 +12,12 @@ from collections.abc import Iterator
 from typing import Any
 
 from wdsraft.core.distributed import worker_info
-from wdsraft.core.errors import StateMismatchError
 from wdsraft.core.state import describe, make_seed, pack_rng, unpack_rng
 from wdsraft.pipeline.addresses import Address, pack_addresses, unpack_addresses
-from wdsraft.pipeline.stage import AddressTracker, Context, Stage
+from wdsraft.pipeline.stage import AddressTracker, Context, Curried, Stage, note_plain_run, unresumable_state
 
 
-class shuffle(Stage):
+class shuffle(Curried, Stage):
     """Buffer shuffle, webdataset's algorithm: fill to ``initial``, then pick at random while refilling.
 
     State: the RNG (2.5 KB), the buffered items as addresses (their positions in the
@@ -66,10 +65,17 @@ class shuffle(Stage):
         return random.Random(make_seed(seed, ctx.epoch))
 
     def drawn_seed(self) -> Any:
+        if self.rng is not None:
+            # A live RNG goes on from one epoch to the next: the state of every epoch, even one taken between
+            # two, carries where it is, so a restored pipeline's later epochs draw what the saved run's drew.
+            return {"live_rng": pack_rng(self.rng)}
         return self._drawn
 
     def adopt_seed(self, seed: Any) -> None:
-        if self.seed is None and self.rng is None:
+        if self.rng is not None:
+            if isinstance(seed, dict) and seed.get("live_rng") is not None:
+                self.rng.setstate(unpack_rng(seed["live_rng"]).getstate())
+        elif self.seed is None:
             self._drawn = seed
 
     def epoch_start_state(self) -> dict[str, Any]:
@@ -77,9 +83,10 @@ class shuffle(Stage):
 
     def state_dict(self) -> dict[str, Any]:
         if None in self._addresses:
-            raise StateMismatchError(
-                f"cannot save stage {self.index} (shuffle): it holds items whose position in the shards is unknown "
-                "(a stage before it merges items, e.g. batched); shuffle before batching"
+            return unresumable_state(
+                f"cannot save stage {self.index} ({type(self).__name__}): it holds items whose position in the "
+                "shards is unknown (a stage before it merges items, e.g. batched, or the pipeline's reader gives "
+                "no positions); shuffle before batching"
             )
         return {
             "rng": pack_rng(self._rng) if self._rng is not None else None,
@@ -96,7 +103,13 @@ class shuffle(Stage):
     def run(self, ctx: Context, src: Iterator[Any] | None, state: dict[str, Any] | None) -> Iterator[Any]:
         assert src is not None
         # Set up now, not when the generator first runs: a state taken before then must already be whole.
-        rng = unpack_rng(state["rng"]) if state is not None and state.get("rng") is not None else self._epoch_rng(ctx)
+        if state is not None and state.get("rng") is not None:
+            rng = unpack_rng(state["rng"])
+            if self.rng is not None:  # the live RNG itself goes on from there (later epochs draw from it)
+                self.rng.setstate(rng.getstate())
+                rng = self.rng
+        else:
+            rng = self._epoch_rng(ctx)
         self._start_rng = pack_rng(rng)
         self._rng = rng
         self._addresses = []
@@ -188,6 +201,7 @@ class detshuffle(shuffle):
 
     def __call__(self, src: Iterator[Any] | None = None) -> Iterator[Any]:
         # On its own, as webdataset's: each run is the next epoch after ``.epoch``.
+        note_plain_run(type(self).__name__)
         return self.run(Context(self.epoch - self.start_epoch, worker_info()), src, None)
 
 
@@ -202,3 +216,6 @@ def _shuffle(
     """webdataset's ``_shuffle`` (the function its ``shuffle`` curries), run by :class:`shuffle`: the same
     stream for the same ``rng`` or ``seed``, and the same draws from a given ``rng``. Without state."""
     yield from shuffle(bufsize, initial, rng=rng, seed=seed, handler=handler)(data)
+
+
+shuffle.f = staticmethod(_shuffle)

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import builtins
+import itertools
 import random
 from collections.abc import Iterator
 from typing import Any
 
 from wdsraft.core.errors import StateMismatchError
-from wdsraft.pipeline.stage import Context, Stage
+from wdsraft.pipeline.stage import Context, Curried, Stage
 
 
-class slice(Stage):
+class slice(Curried, Stage):
     """``itertools.islice`` over the items, with the count of items seen kept in the state."""
 
     def __init__(self, *args: int | None):
@@ -74,7 +75,7 @@ class check_empty(Stage):
             )
 
 
-class rsample(Stage):
+class rsample(Curried, Stage):
     """Keep each item with probability ``p``, drawing from the global ``random`` as webdataset does.
 
     The draws cannot be replayed, so a state taken with this stage in the pipeline is refused when
@@ -109,3 +110,7 @@ def _rsample(data: Iterator[Any], p: float = 0.5) -> Iterator[Any]:
     """webdataset's ``_rsample``, run by :class:`rsample`: the same draws from the global ``random``."""
     assert 0.0 <= p <= 1.0
     yield from rsample(p)(data)
+
+
+slice.f = staticmethod(itertools.islice)  # (webdataset's slice is pipelinefilter(itertools.islice))
+rsample.f = staticmethod(_rsample)

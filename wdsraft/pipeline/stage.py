@@ -6,7 +6,9 @@ shares between stages, and :class:`AddressTracker` for stages that buffer items.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import DataLoader, IterableDataset
@@ -40,6 +42,8 @@ class Context:
         self.stages: list[Any] = []
         #: A ``SkipSet`` for this epoch (a ledger's consumed set, on an elastic resume): what the source leaves out.
         self.skip: SkipSet | None = None
+        #: Stages run as plain functions inside this pass (``wds.filters._shuffle``): what they hold is saved nowhere.
+        self.unsaved: list[str] = []
 
     def stamp(self, address: Address) -> None:
         self.provenance = address
@@ -125,7 +129,22 @@ class Stage:
         pass
 
     def __call__(self, src: Iterator[Any] | None = None) -> Iterator[Any]:
+        note_plain_run(type(self).__name__)
         return self.run(Context(0, worker_info()), src, None)
+
+
+class Curried:
+    """What webdataset's curried stages (``pipelinefilter(f)(*args, **kw)``) expose: ``.f``, the uncurried
+    function (set by each class), and ``.args`` / ``.kw``, the arguments the stage was made with."""
+
+    f: Any = None
+    args: tuple[Any, ...]
+    kw: dict[str, Any]
+
+    def __new__(cls, *args: Any, **kw: Any) -> Any:
+        stage = super().__new__(cls)
+        stage.args, stage.kw = args, kw
+        return stage
 
 
 class SourceStage(Stage):
@@ -159,3 +178,75 @@ def invoke_stage(f: Any, *args: Any, **kwargs: Any) -> Any:
     if callable(f):
         return f(*args, **kwargs)
     raise ValueError(f"{f}: not a valid pipeline stage")
+
+
+# -- states that cannot be restored ------------------------------------------------------------------------
+
+#: The key of a stage state that says the stage cannot be restored, and why (a message naming the stage).
+UNRESUMABLE = "unresumable"
+
+
+def unresumable_state(reason: str) -> dict[str, Any]:
+    """The state of a stage that cannot save what it holds: taken without error (a DataLoader's snapshots
+    must not stop training that never resumes), refused when loaded, or when the user asks for it."""
+    return {UNRESUMABLE: reason}
+
+
+def find_unresumable(state: Any) -> str | None:
+    """The reasons of the unresumable stage states nested in ``state`` (dicts only), or None."""
+    reasons: list[str] = []
+    if isinstance(state, dict):
+        _collect_unresumable(state, reasons)
+    return "; ".join(dict.fromkeys(reasons)) if reasons else None
+
+
+def _collect_unresumable(state: Any, reasons: list[str]) -> None:
+    reason = state.get(UNRESUMABLE)
+    if isinstance(reason, str):
+        reasons.append(reason)
+        return
+    for value in state.values():
+        if isinstance(value, dict):
+            _collect_unresumable(value, reasons)
+
+
+class _Local(threading.local):
+    context: Context | None = None  # the pass whose items are being pulled on this thread
+    quiet = 0  # > 0 while a DataLoader takes states on its own (snapshots): those must not raise
+
+
+_local = _Local()
+
+
+def active_context() -> Context | None:
+    return _local.context
+
+
+def set_active_context(ctx: Context | None) -> Context | None:
+    """Make ``ctx`` the pass being pulled on this thread; returns the one before (to put back)."""
+    previous, _local.context = _local.context, ctx
+    return previous
+
+
+def note_plain_run(name: str) -> None:
+    """A stateful stage runs as a plain function (``stage(src)``): inside a pass, what it holds is saved
+    nowhere, so that pass's states must refuse to resume."""
+    ctx = _local.context
+    if ctx is not None and name not in ctx.unsaved:
+        ctx.unsaved.append(name)
+
+
+@contextmanager
+def quiet_states() -> Iterator[None]:
+    """States taken inside this block (a DataLoader's snapshots) mark what cannot be restored instead of raising."""
+    _local.quiet += 1
+    try:
+        yield
+    finally:
+        _local.quiet -= 1
+
+
+def states_must_be_whole() -> bool:
+    """Whether a state asked for now must raise on what cannot be restored: the user asked for it (not a
+    DataLoader worker, not a loader's own snapshot)."""
+    return _local.quiet == 0 and not in_dataloader_worker()

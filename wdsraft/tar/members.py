@@ -9,6 +9,8 @@ buffered blocks, and skips non-regular members. Offsets are byte offsets in the
 
 from __future__ import annotations
 
+import bz2
+import gzip
 import io
 import lzma
 import zlib
@@ -37,6 +39,7 @@ from wdsraft.tar.format import (
 )
 
 _MAX_READ = 64 << 20
+_DECOMPRESSORS = (gzip.GzipFile, bz2.BZ2File, lzma.LZMAFile)
 
 
 class TarMemberReader:
@@ -64,6 +67,7 @@ class TarMemberReader:
         self._chain_start: int | None = None  # offset of the first header of the current chain
         self._global_pax: dict[str, str] = {}
         self._seekable = _positioned_file(fileobj, start_offset)
+        self._read_error: TarFormatError | None = None  # a stream error met after some bytes were read
 
     def __iter__(self) -> Iterator[TarMember]:
         for batch in self.batches():
@@ -75,10 +79,15 @@ class TarMemberReader:
         A size read from a header is not trusted with one allocation: reads go in chunks of
         at most 64 MiB, so a corrupt size meets the end of the stream instead of exhausting memory.
         """
+        if self._read_error is not None:
+            raise self._read_error
+        # A decompressor's read(n) drops what it decompressed when it meets a cut (a truncated shard);
+        # read1 hands that out first, so the members before the cut come out, as tarfile's do.
+        read = self.fileobj.read1 if isinstance(self.fileobj, _DECOMPRESSORS) else self.fileobj.read
         chunks = []
         try:
             while n > 0:
-                chunk = self.fileobj.read(min(n, _MAX_READ))
+                chunk = read(min(n, _MAX_READ))
                 if not chunk:
                     break
                 chunks.append(chunk)
@@ -87,7 +96,11 @@ class TarMemberReader:
             raise  # a remote read that failed for good is no format error: it names its shard and offset
         except (EOFError, OSError, lzma.LZMAError, zlib.error) as exn:
             where = self.end_offset if offset is None else offset
-            raise TarFormatError(self.url, where, f"cannot read the stream ({type(exn).__name__}: {exn})") from exn
+            error = TarFormatError(self.url, where, f"cannot read the stream ({type(exn).__name__}: {exn})")
+            if not chunks:
+                raise error from exn
+            error.__cause__ = exn  # (raised at the next read, after the members read so far)
+            self._read_error = error
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     def batches(self) -> Iterator[list[TarMember]]:

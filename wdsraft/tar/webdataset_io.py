@@ -1,14 +1,20 @@
 """webdataset's low-level reading functions (``url_opener``, ``tar_file_iterator``,
 ``tar_file_expander``) over wdsraft's opener and member reader, for pipelines that build their own
 reader from webdataset's pieces.
+
+They carry provenance: ``url_opener`` honours a shard dict's ``offset`` (and notes where it opened),
+``tar_file_iterator`` adds each member's byte offset (``__offset__``), and ``tar_file_expander`` tells a
+listener on this thread (``listen_to_members``) each member it hands out and each shard it finishes, so
+that a pipeline around a client's own grouper can find where each of its samples starts.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import threading
 from collections.abc import Callable, Iterable, Iterator
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 from webdataset.handlers import reraise_exception
 
@@ -23,6 +29,30 @@ logger = logging.getLogger(__name__)
 
 Handler = Callable[[BaseException], bool]
 
+#: The key under which ``url_opener`` notes the byte offset it opened a shard at.
+OPENED_AT = "__opened_at__"
+
+
+class MemberListener(Protocol):
+    """Told, on the thread that reads, what ``tar_file_expander`` hands out."""
+
+    def member(self, url: str, name: str, offset: int) -> None: ...
+
+    def shard_end(self, url: str) -> None: ...
+
+
+class _Listening(threading.local):
+    listener: MemberListener | None = None
+
+
+_listening = _Listening()
+
+
+def listen_to_members(listener: MemberListener | None) -> MemberListener | None:
+    """Make ``listener`` the one told about members on this thread; returns the one before (to put back)."""
+    previous, _listening.listener = _listening.listener, listener
+    return previous
+
 
 def url_opener(
     data: Iterable[dict[str, Any]], handler: Handler = reraise_exception, **kw: Any
@@ -31,7 +61,9 @@ def url_opener(
     for sample in data:
         url = sample["url"]
         try:
-            sample.update(stream=open_shard(url, sample.get("offset", 0)))
+            offset = sample.get("offset", 0)
+            sample.update(stream=open_shard(url, offset))
+            sample[OPENED_AT] = offset
         except Exception as exn:
             exn.args = (*exn.args, url)
             if handler(exn):
@@ -79,6 +111,7 @@ def tar_file_expander(
     """Expand opened shards into their files, as webdataset's ``tar_file_expander``."""
     for source in data:
         url = source["url"]
+        local_path = source.get("local_path")
         try:
             for sample in tar_file_iterator(
                 source["stream"],
@@ -86,14 +119,27 @@ def tar_file_expander(
                 select_files=select_files,
                 rename_files=rename_files,
                 url=url,
-                offset=source.get("offset", 0),
+                offset=source.get(OPENED_AT, 0),  # (a stream another opener made starts at the shard's start)
             ):
                 sample["__url__"] = url
+                if local_path is not None:
+                    sample["__local_path__"] = local_path
+                listener = _listening.listener
+                if listener is not None:
+                    listener.member(url, sample["fname"], sample[OFFSET_FIELD])
                 yield sample
+            _shard_end(url)
             if eof_value is not None:
                 yield eof_value
         except Exception as exn:
+            _shard_end(url)  # (nothing more is read from it)
             exn.args = (*exn.args, source.get("stream"), url)
             if handler(exn):
                 continue
             break
+
+
+def _shard_end(url: str) -> None:
+    listener = _listening.listener
+    if listener is not None:
+        listener.shard_end(url)

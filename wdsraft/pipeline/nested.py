@@ -1,0 +1,136 @@
+"""Sources whose position is a state of their own: a checkpointable dataset used as a pipeline's first
+stage (``DataPipeline(wds.RandomMix(...), wds.shuffle(100))``), and the mixes.
+
+Their items are addressed by their number in the pass. To save items that stages after them hold (a
+shuffle buffer, a partial batch), they keep their whole state from just before each recent item, and
+save the one before the oldest item still held, plus how many items to fetch again: a restore goes
+back there and re-fetches them (bounded by what the buffers hold, not by how far into the epoch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from wdsraft.pipeline.addresses import Address
+from wdsraft.pipeline.stage import Context, SourceStage, Stage, quiet_states
+
+#: What ``fetch`` returns when there is nothing more.
+END = object()
+
+
+class SnapshotSource(SourceStage):
+    """A source that can give its whole state before any item, and restart from such a state."""
+
+    needs_live_addresses = True
+
+    def __init__(self) -> None:
+        self._snapshots: dict[int, dict[str, Any]] = {}
+        self._replayed: dict[int, Any] = {}
+        self._fetched = 0
+
+    # -- what a kind of source decides -----------------------------------------------------------------
+
+    def start(self, ctx: Context, state: dict[str, Any] | None) -> None:
+        """Begin a pass: from scratch (None) or from a state ``whole_state`` gave."""
+        raise NotImplementedError
+
+    def fetch(self) -> Any:
+        """The next item, or ``END``."""
+        raise NotImplementedError
+
+    def whole_state(self) -> dict[str, Any]:
+        """The state that restarts right before the next item (marked unresumable where it cannot)."""
+        raise NotImplementedError
+
+    # -- the stage -------------------------------------------------------------------------------------
+
+    def run(self, ctx: Context, src: Iterator[Any] | None, state: dict[str, Any] | None) -> Iterator[Any]:
+        self._snapshots, self._replayed, self._fetched = {}, {}, 0
+        replay = 0
+        if state is not None:
+            state, self._fetched, replay = state["resume"], state["base"], state["replay"]
+        self.start(ctx, state)
+        # Re-fetch now the items the restored stages after this one hold: they ask for them first.
+        for _ in range(replay):
+            self._snapshots[self._fetched] = self._quiet_state()
+            item = self.fetch()
+            if item is END:
+                break
+            self._replayed[self._fetched] = item
+            self._fetched += 1
+        return self._items(ctx)
+
+    def _items(self, ctx: Context) -> Iterator[Any]:
+        # Snapshots are needed only to re-read items that stateful stages after this one hold.
+        keep = any(isinstance(stage, Stage) for stage in ctx.stages[self.index + 1 :])
+        while True:
+            if keep:
+                self._snapshots[self._fetched] = self._quiet_state()
+            item = self.fetch()
+            if item is END:
+                self._snapshots.pop(self._fetched, None)
+                return
+            serial = self._fetched
+            self._fetched += 1
+            ctx.stamp((serial, 0))
+            yield item
+            if len(self._snapshots) > 64:
+                live = [address[0] for address in ctx.live_addresses()]
+                oldest = min(live) if live else self._fetched
+                for old in [s for s in self._snapshots if s < oldest]:
+                    del self._snapshots[old]
+                    self._replayed.pop(old, None)
+
+    def _quiet_state(self) -> dict[str, Any]:
+        with quiet_states():  # (what cannot be restored is marked; the pipeline raises if the user asked)
+            return self.whole_state()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.source_state([])
+
+    def source_state(self, live_addresses: list[Address]) -> dict[str, Any]:
+        oldest = min((address[0] for address in live_addresses), default=self._fetched)
+        snapshot = self._snapshots.get(oldest)
+        if snapshot is None:
+            snapshot, oldest = self._quiet_state(), self._fetched
+        return {"resume": snapshot, "base": oldest, "replay": self._fetched - oldest}
+
+    def rematerialize(self, addresses: list[Address]) -> list[Any]:
+        return [self._replayed[address[0]] for address in addresses]
+
+
+def is_stateful_dataset(stage: Any) -> bool:
+    """A dataset with the state protocol (``state_dict``/``load_state_dict``), not a stage: it can be a
+    pipeline's source through :class:`PipelineSource`."""
+    return (
+        not isinstance(stage, Stage)
+        and callable(getattr(stage, "state_dict", None))
+        and callable(getattr(stage, "load_state_dict", None))
+        and hasattr(stage, "__iter__")
+    )
+
+
+class PipelineSource(SnapshotSource):
+    """A checkpointable dataset (a ``DataPipeline``, a mix) as the first stage of another pipeline."""
+
+    def __init__(self, dataset: Any):
+        super().__init__()
+        self.dataset = dataset
+        self._iterator: Iterator[Any] | None = None
+
+    def start(self, ctx: Context, state: dict[str, Any] | None) -> None:
+        if state is None:
+            set_epoch = getattr(self.dataset, "set_epoch", None)
+            if set_epoch is not None:
+                set_epoch(ctx.epoch)
+        else:
+            self.dataset.load_state_dict(state)
+        self._iterator = iter(self.dataset)
+
+    def fetch(self) -> Any:
+        assert self._iterator is not None
+        return next(self._iterator, END)
+
+    def whole_state(self) -> dict[str, Any]:
+        return self.dataset.state_dict()
