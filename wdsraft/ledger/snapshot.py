@@ -121,7 +121,10 @@ class Snapshot:
         wanted = marks(lineage, steps)
         for run, (kind, value) in marks(self.lineage, self.steps).items():
             if run not in wanted:
-                return f"its run {run} is not in the lineage being read (another branch of the training)"
+                return (
+                    f"it counts run {run}, which is outside the lineage being read (a run after the checkpoint, or "
+                    "another branch of the training)"
+                )
             want_kind, want_value = wanted[run]
             if kind != want_kind:
                 return f"it counts run {run} by {kind}, the watermark by {want_kind}"
