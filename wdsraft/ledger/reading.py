@@ -9,6 +9,7 @@ import functools
 import logging
 import os
 import posixpath
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -30,10 +31,19 @@ RANK_SUFFIX = ".ledger"
 T = TypeVar("T")
 
 
-@functools.lru_cache(maxsize=4)
+_client_lock = threading.Lock()
+
+
 def _client(pid: int, endpoint_url: str | None, pool: int) -> Any:
     """A boto3 client whose connection pool holds ``pool`` connections (boto3's default, 10, would
-    serialise a pool of 32 reading threads); one per process, as clients must not cross a fork."""
+    serialise a pool of 32 reading threads); one per process, as clients must not cross a fork. Made
+    under a lock: the first reads start in many threads at once, and each would make its own."""
+    with _client_lock:
+        return _make_client(pid, endpoint_url, pool)
+
+
+@functools.lru_cache(maxsize=4)
+def _make_client(pid: int, endpoint_url: str | None, pool: int) -> Any:
     import boto3
     from botocore.config import Config
 
