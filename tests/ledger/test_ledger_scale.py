@@ -217,25 +217,34 @@ from wdsraft.ledger import merged
 rank = int(sys.argv[1])
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=rank, world_size=2)
 mark = json.loads(sys.argv[4])
-reads = []
-original = merged.read_bytes
+from wdsraft.ledger import identity
+from wdsraft.core.errors import StateMismatchError
+reads, index_reads = [], []
+original, original_identity = merged.read_bytes, identity.identity_of
 merged.read_bytes = lambda url: (reads.append(url), original(url))[1]
+identity.identity_of = lambda url: (index_reads.append(url), original_identity(url))[1]
+if sys.argv[5] == "mismatch" and rank == 0:
+    def differs(self, urls):
+        raise StateMismatchError("s1.tar: not the shard the ledger recorded positions in")
+    identity.ShardIdentities.check = differs
 ledger = wds.Ledger(sys.argv[3], run="new", rank=rank, world_size=2)
-consumed = ledger._skip_set(0, mark["lineage"], mark["steps"])
+try:
+    consumed = ledger._skip_set(0, mark["lineage"], mark["steps"])
+except StateMismatchError as exn:
+    print(json.dumps({"refused": str(exn)}))
+    sys.exit(0)
 print(json.dumps({"pairs": sorted([s, o] for s, b in consumed.samples.items() for o in b), "reads": len(reads),
-                  "shards": sorted(ledger._identities.recorded)}))
+                  "index_reads": len(index_reads), "shards": sorted(ledger._identities.recorded)}))
 dist.destroy_process_group()
 """
 
 
-def test_rank_zero_reads_the_ledger_and_broadcasts_it_in_a_gloo_group(tmp_path) -> None:
-    path = str(tmp_path / "l")
-    mark = _chain(path, 2)[-1]
+def _gloo(path: str, mark: dict, mode: str) -> list[dict]:
     port = str(free_port())
     env = {**os.environ, "PYTHONPATH": str(REPO), "WDSRAFT_RUN": "unused"}
     processes = [
         subprocess.Popen(
-            [sys.executable, "-c", _GLOO_SCRIPT, str(rank), port, path, json.dumps(mark)],
+            [sys.executable, "-c", _GLOO_SCRIPT, str(rank), port, path, json.dumps(mark), mode],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             env=env,
@@ -247,10 +256,23 @@ def test_rank_zero_reads_the_ledger_and_broadcasts_it_in_a_gloo_group(tmp_path) 
         stdout, stderr = process.communicate(timeout=120)
         assert process.returncode == 0, stderr.decode()[-2000:]
         out.append(json.loads(stdout.decode().strip().splitlines()[-1]))
+    return out
+
+
+def test_rank_zero_reads_the_ledger_and_broadcasts_it_in_a_gloo_group(tmp_path) -> None:
+    path = str(tmp_path / "l")
+    mark = _chain(path, 2)[-1]
+    out = _gloo(path, mark, "plain")
     assert out[0]["pairs"] == out[1]["pairs"] and {tuple(p) for p in out[0]["pairs"]} == _full(path, mark)
     assert out[0]["reads"] == 2 * RANKS and out[1]["reads"] == 0  # one reader for the whole group
+    assert out[0]["index_reads"] == RANKS and out[1]["index_reads"] == 0  # and one identity check
     assert out[0]["shards"] == out[1]["shards"]
     assert len(list(snapshot_urls(path))) == 1  # rank 0 left the snapshot for the next restart
+
+    # A dataset that differs, found by rank 0, stops every rank with the shard named.
+    refused = _gloo(path, mark, "mismatch")
+    assert all("s1.tar: not the shard the ledger" in r["refused"] for r in refused), refused
+    assert refused[1]["refused"].startswith("(found by rank 0)")
 
 
 def test_ledger_compact_command_and_rewind_drops_snapshots_beyond_it(tmp_path, capsys) -> None:

@@ -203,18 +203,26 @@ class Ledger:
         return write_snapshot(self._snapshot_of(self.merged(lineage, steps), lineage, steps))
 
     def _skip_set(self, epoch: int, lineage: dict[str, int], steps: dict[str, int | None] | None) -> ConsumedSet:
-        """The consumed set a resume skips. Under torch.distributed rank 0 reads it and broadcasts it: a
-        restart reads the ledger once, not once per rank. Rank 0 then writes the snapshot of that watermark
-        (where it read rank files), so later resumes under it read one object."""
+        """The consumed set a resume skips, its shards checked against the dataset (refused before anything
+        is skipped where they differ). Under torch.distributed rank 0 reads it and checks it, and broadcasts
+        both: a restart reads the ledger and the shards' indexes once, not once per rank. Rank 0 then writes
+        the snapshot of that watermark (where it read rank files), so later resumes under it read one object."""
 
-        def compute() -> tuple[ConsumedSet, ShardIdentities]:
+        def compute() -> ConsumedSet:
             self._wait_for_snapshot(lineage, steps)
             merged = self.merged(lineage, steps)
             if self.rank == 0 and merged.files_read:
                 self._write_snapshot(merged, lineage, steps)
-            return merged.epochs.get(epoch, ConsumedSet()), self._identities
+            consumed = merged.epochs.get(epoch, ConsumedSet())
+            self._check_dataset(consumed)
+            return consumed
 
-        return shared(compute, self._identities)
+        consumed = shared(compute, self._identities)
+        # Each rank records the identities of the skip set in its next commit, as where each read them itself.
+        checked = self._identities.checked
+        shards = {*consumed.samples, *consumed.tokens}
+        self._to_record.update({url: found for url in shards if (found := checked.get(url)) is not None})
+        return consumed
 
     def _snapshot_of(self, merged: Merged, lineage: dict[str, int], steps: dict[str, int | None] | None) -> Snapshot:
         recorded = dict(self._identities.recorded)
@@ -308,14 +316,12 @@ class Ledger:
             if skip is not None:  # the saved run was itself elastic: it skipped this set, so must we
                 self.skip = skip
                 consumed = self._skip_set(skip["epoch"], skip["lineage"], skip.get("steps"))
-                self._check_dataset(consumed)
                 _dataset_of(loader).skip_consumed(consumed, skip["epoch"])
             self._learn_own_lineage()
             loader.load_state_dict(saved["loader"])
             return "exact"
         epoch = watermark["epoch"] or 0
         consumed = self._skip_set(epoch, self.lineage, self.lineage_steps)
-        self._check_dataset(consumed)
         logger.warning(
             "configuration changed: elastic resume of epoch %d, skipping %d consumed samples",
             epoch,

@@ -13,6 +13,7 @@ from typing import Any
 
 import msgpack
 
+from wdsraft.core.errors import LedgerError, StateMismatchError
 from wdsraft.ledger.consumed import ConsumedSet
 from wdsraft.ledger.identity import ShardIdentities
 from wdsraft.ledger.rank_file import RankFile, counted
@@ -66,39 +67,42 @@ def merge_under(
     return Merged(dict(sorted(epochs.items())), snapshot, len(urls))
 
 
-def shared(compute: Callable[[], tuple[ConsumedSet, ShardIdentities]], identities: ShardIdentities) -> ConsumedSet:
-    """``compute()`` on rank 0 only, its result handed to every rank of the initialised process group
-    (one broadcast); elsewhere (no process group, or one rank) ``compute()`` here. Every rank must call
-    it at the same point. A failure on rank 0 is raised on every rank, not left to hang the others."""
+def shared(compute: Callable[[], ConsumedSet], identities: ShardIdentities) -> ConsumedSet:
+    """``compute()`` on rank 0 only, its result (and the dataset identities it learned and checked) handed
+    to every rank of the initialised process group in one broadcast; elsewhere (no process group, or one
+    rank) ``compute()`` here. Every rank must call it at the same point. A failure on rank 0 is raised on
+    every rank (a dataset that differs as ``StateMismatchError``), not left to hang the others."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        consumed, _ = compute()
-        return consumed
+        return compute()
     payload: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
-            consumed, learned = compute()
-            payload[0] = _pack(consumed, learned)
+            consumed = compute()
+            payload[0] = _pack(consumed, identities)
         except Exception as exn:
-            payload[0] = ("error", f"{type(exn).__name__}: {exn}")
+            payload[0] = ("error", type(exn).__name__, str(exn))
             dist.broadcast_object_list(payload, src=0)
             raise
     dist.broadcast_object_list(payload, src=0)
     if isinstance(payload[0], tuple):
-        from wdsraft.core.errors import LedgerError
-
-        raise LedgerError("ledger", f"rank 0 could not read the ledger: {payload[0][1]}")
+        _, kind, message = payload[0]
+        if kind == StateMismatchError.__name__:
+            raise StateMismatchError(f"(found by rank 0) {message}")
+        raise LedgerError("ledger", f"rank 0 could not read the ledger: {kind}: {message}")
     return _unpack(payload[0], identities)
 
 
 def _pack(consumed: ConsumedSet, identities: ShardIdentities) -> bytes:
+    shards = {*consumed.samples, *consumed.tokens}
     return bytes(
         msgpack.packb(
             {
                 "consumed": consumed.to_plain(),
                 "shards": identities.recorded,
                 "unrecorded": identities.unrecorded_seen,
+                "checked": {url: found for url, found in identities.checked.items() if url in shards},
             },
             use_bin_type=True,
         )
@@ -108,4 +112,5 @@ def _pack(consumed: ConsumedSet, identities: ShardIdentities) -> bytes:
 def _unpack(raw: bytes, identities: ShardIdentities) -> ConsumedSet:
     record = msgpack.unpackb(raw, raw=False, strict_map_key=False)
     identities.learn_recorded(record["shards"], record["unrecorded"], "the ledger read by rank 0")
+    identities.checked.update(record["checked"])  # (rank 0 compared them with the dataset: not read again)
     return ConsumedSet.from_plain(record["consumed"])
