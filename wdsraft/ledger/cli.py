@@ -19,6 +19,8 @@ from wdsraft.ledger.consumed import ConsumedSet
 from wdsraft.ledger.identity import ShardIdentities, difference
 from wdsraft.ledger.ledger import Ledger
 from wdsraft.ledger.rank_file import SUFFIX, RankFile, committed_watermark, complete_steps, counted
+from wdsraft.ledger.reading import parallel_map, read_optional
+from wdsraft.ledger.snapshot import Snapshot, snapshot_urls
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +115,21 @@ def add_ledger_commands(commands: Any, parents: Sequence[argparse.ArgumentParser
     common(export)
     export.set_defaults(func=cmd_export)
 
+    compact = actions.add_parser(
+        "compact",
+        parents=parents,
+        help="write a snapshot of the consumed sets under a watermark (resumes then read one object)",
+        description=(
+            "Merge what every commit under the watermark consumed, per epoch, into one checksummed snapshot "
+            "object in PATH/snapshots/, named by the watermark. A resume under that watermark (or one that builds "
+            "on it) reads the snapshot plus the rank files of the runs after it, instead of every rank file of "
+            "every run. Safe while training runs; a snapshot that is torn, of another ledger or lineage, or newer "
+            "than the checkpoint being resumed is ignored with a warning."
+        ),
+    )
+    common(compact)
+    compact.set_defaults(func=cmd_compact)
+
 
 Watermark = tuple[dict[str, int], dict[str, Any]]  # (run -> last commit, run -> step of that commit)
 
@@ -140,7 +157,7 @@ def _lineage_argument(text: str) -> Watermark:
 def _rank_files(args: argparse.Namespace) -> tuple[list[RankFile], Watermark]:
     """The ledger's rank files and the watermark the command works on (given, from a checkpoint, or the latest)."""
     _check_ledger_path(args.path)
-    files = list(_reader(args.path).rank_files())
+    files = list(_reader(args.path).rank_files(progress="reading the ledger"))
     return files, _watermark(args, files)
 
 
@@ -397,6 +414,7 @@ def cmd_rewind(args: argparse.Namespace) -> int:
     lineage = watermark[0]
     if not lineage:
         raise LedgerError(args.path, "the watermark names no run: nothing would be kept")
+    _remove_snapshots_beyond(args.path, watermark)
     for rank_file in files:
         if rank_file.run not in lineage:
             if args.prune:
@@ -440,3 +458,32 @@ def _ranges(ordinals: list[int]) -> list[list[int]]:
         else:
             ranges.append([ordinal, ordinal + 1])
     return ranges
+
+
+def _remove_snapshots_beyond(path: str, watermark: Watermark) -> None:
+    """Snapshots that count commits the rewind drops (or runs it prunes): never used under the rewound
+    watermark or any that builds on it, so they go (those within it stay)."""
+    urls = list(snapshot_urls(path))
+    for url, raw in zip(urls, parallel_map(read_optional, urls), strict=True):
+        if raw is None:
+            continue
+        try:
+            why = Snapshot.parse(url, raw).refusal(path, *watermark)
+        except LedgerError as exn:
+            why = str(exn)
+        if why is not None:
+            remove(url)
+            print(f"removed the snapshot {url} ({why})")
+
+
+def cmd_compact(args: argparse.Namespace) -> int:
+    # (a watermark typed in needs no reading of the rank files to find it: only the runs it names are read)
+    watermark = args.lineage if args.lineage is not None else _rank_files(args)[1]
+    if not watermark[0]:
+        raise LedgerError(args.path, "no watermark to compact under (no step that every rank of a run committed)")
+    reader = _reader(args.path)
+    url = reader.compact(*watermark)
+    read = reader.last_read
+    start = f" (from {read.snapshot.url})" if read and read.snapshot else ""
+    print(f"wrote {url}: {_lineage_text(*watermark)}, {read.files_read if read else 0} rank files merged{start}")
+    return 0

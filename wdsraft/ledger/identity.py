@@ -89,6 +89,18 @@ class ShardIdentities:
         for url, identity in shards.items():
             self.recorded.setdefault(url, identity)
 
+    def learn_recorded(self, shards: dict[str, Identity], unrecorded: bool, where: str) -> None:
+        """Take in identities merged elsewhere (a ledger snapshot, or what another rank read)."""
+        if unrecorded and not self.unrecorded_seen:
+            self.unrecorded_seen = True
+            logger.warning(
+                "%s merges commits of an older wdsraft that record no dataset identity: the shards they name "
+                "are not checked against the dataset",
+                where,
+            )
+        for url, identity in shards.items():
+            self.recorded.setdefault(url, identity)
+
     def check(self, urls: Iterable[str]) -> dict[str, Identity]:
         """Read the identities of shards not checked yet and compare them with what was recorded; returns
         those newly read (to record). Raises ``StateMismatchError`` naming a shard that differs."""

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import operator
-import os
 import posixpath
 import time
 from collections.abc import Iterator
@@ -31,12 +30,13 @@ from typing import Any
 from wdsraft.core.distributed import rank_and_world_size
 from wdsraft.core.errors import LedgerError
 from wdsraft.core.fields import PROVENANCE_FIELD
-from wdsraft.io.gopen import gopen
-from wdsraft.io.s3 import s3_client
-from wdsraft.io.storage import exists, local_path
+from wdsraft.io.storage import exists
 from wdsraft.ledger.consumed import ConsumedSet, PieceOrder, _piece_positions, _pieces, positions_of
 from wdsraft.ledger.identity import Identity, ShardIdentities
+from wdsraft.ledger.merged import Merged, merge_under, read_rank_files, shared
 from wdsraft.ledger.rank_file import SUFFIX, RankFile, counted, default_run_id
+from wdsraft.ledger.reading import list_rank_files, parallel_map, read_optional
+from wdsraft.ledger.snapshot import Snapshot, snapshot_url, write_snapshot
 from wdsraft.pipeline.datapipeline import state_epoch
 from wdsraft.pipeline.shardlists import UrlList
 
@@ -58,7 +58,14 @@ class Ledger:
                 torch.save({"model": ..., "data": data}, path)  # rank 0 (or each rank)
     """
 
-    def __init__(self, path: str, run: str | None = None, rank: int | None = None, world_size: int | None = None):
+    def __init__(
+        self,
+        path: str,
+        run: str | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        snapshot_wait: float = 0.0,
+    ):
         detected_rank, detected_world = rank_and_world_size()
         self.path = path.rstrip("/")
         self.rank = detected_rank if rank is None else rank
@@ -75,6 +82,11 @@ class Ledger:
         self._to_record: dict[str, Identity] = {}  # identities read from the dataset, for the next commit
         #: For a run that resumed elastically: the epoch and lineage whose consumed set it skips.
         self.skip: dict[str, Any] | None = None
+        #: Without torch.distributed, how long ranks other than 0 wait in ``resume()`` for the snapshot rank 0
+        #: writes of the watermark they read (so that a restart reads the ranks' files once, not once per rank).
+        self.snapshot_wait = snapshot_wait
+        #: What the last read of the ledger took (the snapshot it started from, the rank files read).
+        self.last_read: Merged | None = None
 
     # -- recording ---------------------------------------------------------------------------------
 
@@ -160,31 +172,11 @@ class Ledger:
 
     def files(self) -> list[str]:
         """URLs of every rank file under the ledger path."""
-        local = local_path(self.path)
-        if local is not None:
-            if not os.path.isdir(local):
-                return []
-            found = []
-            for run in sorted(os.listdir(local)):
-                directory = os.path.join(local, run)
-                if run.startswith("run-") and os.path.isdir(directory):
-                    found += [os.path.join(directory, f) for f in sorted(os.listdir(directory)) if f.endswith(SUFFIX)]
-            return found
-        bucket, _, prefix = self.path.removeprefix("s3://").partition("/")
-        paginator = s3_client().get_paginator("list_objects_v2")
-        keys = [
-            item["Key"]
-            # (a ledger at the bucket's root lists the whole bucket: Prefix="/" would list nothing)
-            for page in paginator.paginate(Bucket=bucket, Prefix=prefix.rstrip("/") + "/" if prefix else "")
-            for item in page.get("Contents", [])
-            if item["Key"].endswith(SUFFIX)
-        ]
-        return [f"s3://{bucket}/{key}" for key in sorted(keys)]
+        return list_rank_files(self.path)
 
-    def rank_files(self) -> Iterator[RankFile]:
-        for url in self.files():
-            with gopen(url, "rb") as stream:
-                yield RankFile.parse(url, stream.read())
+    def rank_files(self, progress: str | None = None) -> Iterator[RankFile]:
+        """Every rank file, read in parallel (bounded); ``progress``: a tqdm bar's name, where many."""
+        return read_rank_files(self.files(), progress)
 
     def consumed(
         self, epoch: int, lineage: dict[str, int] | None = None, steps: dict[str, int | None] | None = None
@@ -194,16 +186,70 @@ class Ledger:
         if lineage is None:
             mark = self.watermark()
             lineage, steps = mark["lineage"], mark["steps"]
-        merged = ConsumedSet()
-        for rank_file in self.rank_files():
-            for commit in rank_file.commits:
-                if not counted(commit, rank_file.run, lineage, steps):
-                    continue
-                self._identities.learn(commit, rank_file.url)
-                record = commit["epochs"].get(str(epoch))
-                if record:
-                    merged.update(ConsumedSet.from_plain(record))
-        return merged
+        return self.merged(lineage, steps).epochs.get(epoch, ConsumedSet())
+
+    def merged(self, lineage: dict[str, int], steps: dict[str, int | None] | None = None) -> Merged:
+        """Every epoch's consumed set under a watermark: from the newest usable snapshot within it, plus
+        the rank files of the runs it does not cover (all runs of the lineage where there is none)."""
+        self.last_read = merge_under(self.path, lineage, steps, self._identities)
+        return self.last_read
+
+    def compact(self, lineage: dict[str, int] | None = None, steps: dict[str, int | None] | None = None) -> str:
+        """Write the snapshot of the ledger under a watermark (default: this ledger's own); returns its URL.
+        Later reads under that watermark, or one that builds on it, start from it."""
+        if lineage is None:
+            mark = self.watermark()
+            lineage, steps = mark["lineage"], mark["steps"]
+        return write_snapshot(self._snapshot_of(self.merged(lineage, steps), lineage, steps))
+
+    def _skip_set(self, epoch: int, lineage: dict[str, int], steps: dict[str, int | None] | None) -> ConsumedSet:
+        """The consumed set a resume skips, its shards checked against the dataset (refused before anything
+        is skipped where they differ). Under torch.distributed rank 0 reads it and checks it, and broadcasts
+        both: a restart reads the ledger and the shards' indexes once, not once per rank. Rank 0 then writes
+        the snapshot of that watermark (where it read rank files), so later resumes under it read one object."""
+
+        def compute() -> ConsumedSet:
+            self._wait_for_snapshot(lineage, steps)
+            merged = self.merged(lineage, steps)
+            if self.rank == 0 and merged.files_read:
+                self._write_snapshot(merged, lineage, steps)
+            consumed = merged.epochs.get(epoch, ConsumedSet())
+            self._check_dataset(consumed)
+            return consumed
+
+        consumed = shared(compute, self._identities)
+        # Each rank records the identities of the skip set in its next commit, as where each read them itself.
+        checked = self._identities.checked
+        shards = {*consumed.samples, *consumed.tokens}
+        self._to_record.update({url: found for url in shards if (found := checked.get(url)) is not None})
+        return consumed
+
+    def _snapshot_of(self, merged: Merged, lineage: dict[str, int], steps: dict[str, int | None] | None) -> Snapshot:
+        recorded = dict(self._identities.recorded)
+        return Snapshot(
+            self.path, dict(lineage), dict(steps or {}), merged.epochs, recorded, self._identities.unrecorded_seen
+        )
+
+    def _write_snapshot(self, merged: Merged, lineage: dict[str, int], steps: dict[str, int | None] | None) -> None:
+        try:
+            url = write_snapshot(self._snapshot_of(merged, lineage, steps))
+        except Exception as exn:  # (a snapshot only saves later reads: training goes on without it)
+            logger.warning("could not write the ledger snapshot of %s: %s", self.path, exn)
+            return
+        logger.info("ledger: wrote the snapshot %s (%d rank files merged)", url, merged.files_read)
+
+    def _wait_for_snapshot(self, lineage: dict[str, int], steps: dict[str, int | None] | None) -> None:
+        """Without a process group, ranks other than 0 give rank 0 ``snapshot_wait`` seconds to write the
+        snapshot of this watermark, then read what is there (the rank files, if it never came)."""
+        if self.rank == 0 or self.snapshot_wait <= 0:
+            return
+        url, deadline, pause = snapshot_url(self.path, lineage, steps), time.monotonic() + self.snapshot_wait, 0.5
+        while not exists(url):
+            if time.monotonic() >= deadline:
+                logger.warning("no ledger snapshot %s after %.0f s: reading the rank files", url, self.snapshot_wait)
+                return
+            time.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
+            pause = min(pause * 2, 8.0)
 
     def _learn_own_lineage(self) -> None:
         """The identities this rank's files of the earlier runs recorded (an exact resume reads the same
@@ -211,12 +257,11 @@ class Ledger:
         counted commit, those being read at the checkpoint and read again first, are checked now; the
         others as commits name them."""
         recent: set[str] = set()
-        for run in self.lineage:
-            url = posixpath.join(self.path, f"run-{run}", f"rank-{self.rank:05d}{SUFFIX}")
-            if not exists(url):
+        urls = [posixpath.join(self.path, f"run-{run}", f"rank-{self.rank:05d}{SUFFIX}") for run in self.lineage]
+        for run, url, raw in zip(self.lineage, urls, parallel_map(read_optional, urls), strict=True):
+            if raw is None:
                 continue
-            with gopen(url, "rb") as stream:
-                rank_file = RankFile.parse(url, stream.read())
+            rank_file = RankFile.parse(url, raw)
             last: dict[str, Any] | None = None
             for commit in rank_file.commits:
                 if counted(commit, run, self.lineage, self.lineage_steps):
@@ -270,15 +315,13 @@ class Ledger:
             skip = watermark.get("skip")
             if skip is not None:  # the saved run was itself elastic: it skipped this set, so must we
                 self.skip = skip
-                consumed = self.consumed(skip["epoch"], skip["lineage"], skip.get("steps"))
-                self._check_dataset(consumed)
+                consumed = self._skip_set(skip["epoch"], skip["lineage"], skip.get("steps"))
                 _dataset_of(loader).skip_consumed(consumed, skip["epoch"])
             self._learn_own_lineage()
             loader.load_state_dict(saved["loader"])
             return "exact"
         epoch = watermark["epoch"] or 0
-        consumed = self.consumed(epoch, self.lineage, self.lineage_steps)
-        self._check_dataset(consumed)
+        consumed = self._skip_set(epoch, self.lineage, self.lineage_steps)
         logger.warning(
             "configuration changed: elastic resume of epoch %d, skipping %d consumed samples",
             epoch,

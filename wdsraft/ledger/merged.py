@@ -1,0 +1,116 @@
+"""What a ledger says was consumed under a watermark, read at the least cost: from a compacted snapshot
+within that watermark where there is one, plus the rank files of only the runs it does not cover, read in
+parallel. Under torch.distributed, one rank reads and hands the result to the others (``shared``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from wdsraft.core.errors import LedgerError, StateMismatchError
+from wdsraft.ledger.consumed import ConsumedSet
+from wdsraft.ledger.identity import ShardIdentities
+from wdsraft.ledger.rank_file import RankFile, counted
+from wdsraft.ledger.reading import list_rank_files, parallel_map, read_bytes
+from wdsraft.ledger.snapshot import Snapshot, find_snapshot
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Merged:
+    """Every epoch's consumed set under a watermark, and what reading it took."""
+
+    epochs: dict[int, ConsumedSet]
+    snapshot: Snapshot | None  # the snapshot it started from
+    files_read: int  # rank files read besides it
+
+
+def read_rank_files(urls: list[str], progress: str | None = None) -> Iterator[RankFile]:
+    """The rank files at ``urls``, in order, fetched in parallel (bounded) and parsed one by one."""
+    for url, raw in zip(urls, parallel_map(read_bytes, urls, progress), strict=True):
+        yield RankFile.parse(url, raw)
+
+
+def merge_under(
+    path: str,
+    lineage: dict[str, int],
+    steps: dict[str, int | None] | None,
+    identities: ShardIdentities,
+    use_snapshots: bool = True,
+    progress: str | None = None,
+) -> Merged:
+    """Merge what the commits counted under the watermark consumed, per epoch, learning the dataset
+    identities they recorded into ``identities``. Only the runs of the lineage are listed and read: the
+    commits of other runs never count."""
+    snapshot = find_snapshot(path, lineage, steps) if use_snapshots and lineage else None
+    epochs: dict[int, ConsumedSet] = defaultdict(ConsumedSet)
+    runs = set(lineage)
+    if snapshot is not None:
+        epochs.update(snapshot.epochs)
+        identities.learn_recorded(snapshot.shards, snapshot.unrecorded, snapshot.url)
+        runs = snapshot.runs_to_read(lineage, steps)
+        logger.info("ledger: read %s; %d runs after it to read", snapshot.url, len(runs))
+    urls = list_rank_files(path, runs) if runs else []
+    for rank_file in read_rank_files(urls, progress):
+        for commit in rank_file.commits:
+            if counted(commit, rank_file.run, lineage, steps):
+                identities.learn(commit, rank_file.url)
+                for epoch, record in commit["epochs"].items():
+                    epochs[int(epoch)].update(ConsumedSet.from_plain(record))
+    return Merged(dict(sorted(epochs.items())), snapshot, len(urls))
+
+
+def shared(compute: Callable[[], ConsumedSet], identities: ShardIdentities) -> ConsumedSet:
+    """``compute()`` on rank 0 only, its result (and the dataset identities it learned and checked) handed
+    to every rank of the initialised process group in one broadcast; elsewhere (no process group, or one
+    rank) ``compute()`` here. Every rank must call it at the same point. A failure on rank 0 is raised on
+    every rank (a dataset that differs as ``StateMismatchError``), not left to hang the others."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return compute()
+    payload: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            consumed = compute()
+            payload[0] = _pack(consumed, identities)
+        except Exception as exn:
+            payload[0] = ("error", type(exn).__name__, str(exn))
+            dist.broadcast_object_list(payload, src=0)
+            raise
+    dist.broadcast_object_list(payload, src=0)
+    if isinstance(payload[0], tuple):
+        _, kind, message = payload[0]
+        if kind == StateMismatchError.__name__:
+            raise StateMismatchError(f"(found by rank 0) {message}")
+        raise LedgerError("ledger", f"rank 0 could not read the ledger: {kind}: {message}")
+    return _unpack(payload[0], identities)
+
+
+def _pack(consumed: ConsumedSet, identities: ShardIdentities) -> bytes:
+    shards = {*consumed.samples, *consumed.tokens}
+    return bytes(
+        msgpack.packb(
+            {
+                "consumed": consumed.to_plain(),
+                "shards": identities.recorded,
+                "unrecorded": identities.unrecorded_seen,
+                "checked": {url: found for url, found in identities.checked.items() if url in shards},
+            },
+            use_bin_type=True,
+        )
+    )
+
+
+def _unpack(raw: bytes, identities: ShardIdentities) -> ConsumedSet:
+    record = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    identities.learn_recorded(record["shards"], record["unrecorded"], "the ledger read by rank 0")
+    identities.checked.update(record["checked"])  # (rank 0 compared them with the dataset: not read again)
+    return ConsumedSet.from_plain(record["consumed"])

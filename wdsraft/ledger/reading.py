@@ -1,0 +1,161 @@
+"""Reading many small ledger objects: listing a ledger's rank files (all, or those of some runs) and
+fetching them in parallel, with bounded concurrency and retries. A resume or ``wdsraft ledger show`` may
+read thousands of files: one after another, each costs a full round trip (20-40 ms on an object store).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import posixpath
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from wdsraft.io.s3 import list_objects, s3_endpoint_url
+from wdsraft.io.storage import local_path
+
+logger = logging.getLogger(__name__)
+
+#: Objects read at once per process (also the size of the S3 connection pool the reads share).
+CONCURRENCY = int(os.environ.get("WDSRAFT_LEDGER_CONCURRENCY", "32"))
+
+#: Attempts per object for failures other than "not there" (a throttled or reset request, say).
+ATTEMPTS = 4
+
+RANK_SUFFIX = ".ledger"
+
+T = TypeVar("T")
+
+
+_client_lock = threading.Lock()
+
+
+def _client(pid: int, endpoint_url: str | None, pool: int) -> Any:
+    """A boto3 client whose connection pool holds ``pool`` connections (boto3's default, 10, would
+    serialise a pool of 32 reading threads); one per process, as clients must not cross a fork. Made
+    under a lock: the first reads start in many threads at once, and each would make its own."""
+    with _client_lock:
+        return _make_client(pid, endpoint_url, pool)
+
+
+@functools.lru_cache(maxsize=4)
+def _make_client(pid: int, endpoint_url: str | None, pool: int) -> Any:
+    import boto3
+    from botocore.config import Config
+
+    config = Config(max_pool_connections=pool, retries={"max_attempts": ATTEMPTS, "mode": "standard"})
+    return boto3.session.Session().client("s3", endpoint_url=endpoint_url, config=config)
+
+
+def _s3_parts(url: str) -> tuple[str, str]:
+    bucket, _, key = url.removeprefix("s3://").partition("/")
+    return bucket, key
+
+
+def _missing(exn: BaseException) -> bool:
+    if isinstance(exn, FileNotFoundError):
+        return True
+    code = getattr(exn, "response", {}).get("Error", {}).get("Code")
+    return code in ("404", "NoSuchKey", "NotFound")
+
+
+def read_bytes(url: str) -> bytes:
+    """One object's bytes (a local file, or an S3 object in one GET), retried on transient failures;
+    a missing object raises ``FileNotFoundError`` naming it."""
+    path = local_path(url)
+    for attempt in range(ATTEMPTS):
+        try:
+            if path is not None:
+                with open(path, "rb") as stream:
+                    return stream.read()
+            bucket, key = _s3_parts(url)
+            response = _client(os.getpid(), s3_endpoint_url(), CONCURRENCY).get_object(Bucket=bucket, Key=key)
+            return bytes(response["Body"].read())
+        except Exception as exn:
+            if _missing(exn):
+                raise FileNotFoundError(2, "No such file or object", url) from None
+            if attempt + 1 == ATTEMPTS:
+                raise
+            logger.debug("reading %s failed (%s): retrying", url, exn)
+            time.sleep(0.1 * 2**attempt)
+    raise AssertionError("unreachable")
+
+
+def read_optional(url: str) -> bytes | None:
+    """``read_bytes``, or None where the object is not there."""
+    try:
+        return read_bytes(url)
+    except FileNotFoundError:
+        return None
+
+
+def parallel_map(
+    function: Callable[[str], T], urls: Iterable[str], progress: str | None = None, concurrency: int = CONCURRENCY
+) -> Iterator[T]:
+    """``function(url)`` of each URL, in order, at most ``concurrency`` at once; with ``progress``, a tqdm
+    bar of that name where there are many."""
+    wanted = list(urls)
+    if len(wanted) <= 1:
+        yield from map(function, wanted)
+        return
+    bar = None
+    if progress is not None and len(wanted) >= 200:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(wanted), unit="file", desc=progress)
+    with ThreadPoolExecutor(min(concurrency, len(wanted))) as pool:
+        # Submitted in windows: a result is handed on (and its bytes dropped) while later reads run.
+        window = 4 * concurrency
+        futures = [pool.submit(function, url) for url in wanted[:window]]
+        for index in range(len(wanted)):
+            result = futures[index].result()
+            futures[index] = None  # type: ignore[call-overload]
+            if index + window < len(wanted):
+                futures.append(pool.submit(function, wanted[index + window]))
+            if bar is not None:
+                bar.update(1)
+            yield result
+    if bar is not None:
+        bar.close()
+
+
+def list_rank_files(path: str, runs: Iterable[str] | None = None) -> list[str]:
+    """URLs of the rank files under a ledger ``path``, sorted: all of them, or only those of ``runs``
+    (one listing per run: a resume reads the runs of its lineage, not the whole ledger)."""
+    if runs is None:
+        return _list(path, None)
+    chosen = sorted(set(runs))
+    return sorted(url for found in parallel_map(functools.partial(_list, path), chosen) for url in found)
+
+
+def _list(path: str, run: str | None) -> list[str]:
+    local = local_path(path)
+    if local is not None:
+        if not os.path.isdir(local):
+            return []
+        found = []
+        names = [f"run-{run}"] if run is not None else sorted(os.listdir(local))
+        for name in names:
+            directory = os.path.join(local, name)
+            if name.startswith("run-") and os.path.isdir(directory):
+                found += [os.path.join(directory, f) for f in sorted(os.listdir(directory)) if f.endswith(RANK_SUFFIX)]
+        return found
+    bucket, prefix = _s3_parts(path)
+    # (a ledger at the bucket's root lists the whole bucket: Prefix="/" would list nothing)
+    base = prefix.rstrip("/") + "/" if prefix else ""
+    if run is not None:
+        base += f"run-{run}/"
+    return [item.url for item in list_objects(f"s3://{bucket}/{base}") if item.key.endswith(RANK_SUFFIX)]
+
+
+def list_under(path: str, folder: str) -> list[str]:
+    """URLs of the objects directly in ``path/folder`` (local or S3)."""
+    url = posixpath.join(path, folder)
+    local = local_path(url)
+    if local is not None:
+        return sorted(os.path.join(local, f) for f in os.listdir(local)) if os.path.isdir(local) else []
+    return [item.url for item in list_objects(url.rstrip("/") + "/", delimiter="/")]

@@ -1,0 +1,192 @@
+"""A compacted snapshot of a ledger: every epoch's consumed set counted under one watermark, merged into
+one checksummed object at ``PATH/snapshots/DIGEST.snapshot`` (the digest names the watermark), with the
+dataset identities those commits recorded. A resume under a watermark that builds on it reads this one
+object plus the files of the runs it does not cover, instead of one file per rank per run.
+
+A snapshot is trusted only where it is provably a part of what is being read: it must be whole (its
+checksum), of this ledger, and its watermark within the one read (no run outside that lineage, no run
+counted further). Otherwise it is ignored with a warning naming it, and the rank files are read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import posixpath
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import msgpack
+
+from wdsraft.core.errors import LedgerError
+from wdsraft.io.storage import write_bytes_atomic
+from wdsraft.ledger.consumed import ConsumedSet
+from wdsraft.ledger.identity import Identity
+from wdsraft.ledger.reading import list_under, parallel_map, read_optional
+
+logger = logging.getLogger(__name__)
+
+SNAPSHOT_FORMAT = "wdsraft-ledger-snapshot"
+SNAPSHOT_VERSION = 1
+SNAPSHOT_DIR = "snapshots"
+SNAPSHOT_SUFFIX = ".snapshot"
+
+#: Snapshots read at most when none is named by the watermark itself (one per branch of rewinds, say).
+SCAN_LIMIT = 16
+
+Mark = tuple[str, int]  # ("step", n) or ("commit", n): how far a run counts
+
+
+def marks(lineage: dict[str, int], steps: dict[str, int | None] | None) -> dict[str, Mark]:
+    """How far each run of a watermark counts: by step where the watermark has one (every rank's commits
+    up to it, whatever their numbers), else by commit number (see ``rank_file.counted``)."""
+    found: dict[str, Mark] = {}
+    for run, commit in lineage.items():
+        step = (steps or {}).get(run)
+        found[run] = ("step", int(step)) if step is not None else ("commit", int(commit))
+    return found
+
+
+def snapshot_url(path: str, lineage: dict[str, int], steps: dict[str, int | None] | None) -> str:
+    canonical = msgpack.packb(sorted((run, list(mark)) for run, mark in marks(lineage, steps).items()))
+    return posixpath.join(path, SNAPSHOT_DIR, hashlib.sha256(canonical).hexdigest()[:32] + SNAPSHOT_SUFFIX)
+
+
+@dataclass
+class Snapshot:
+    """The merged consumed sets (every epoch) of the commits counted under ``lineage``/``steps``."""
+
+    ledger: str
+    lineage: dict[str, int]
+    steps: dict[str, int | None]
+    epochs: dict[int, ConsumedSet] = field(default_factory=dict)
+    shards: dict[str, Identity] = field(default_factory=dict)  # dataset identities the commits recorded
+    unrecorded: bool = False  # some commit was written before identities were recorded
+    url: str = ""
+
+    def to_bytes(self) -> bytes:
+        body = msgpack.packb(
+            {
+                "ledger": self.ledger,
+                "lineage": self.lineage,
+                "steps": self.steps,
+                "created": time.time(),
+                "epochs": {str(epoch): consumed.to_plain() for epoch, consumed in self.epochs.items()},
+                "shards": self.shards,
+                "unrecorded": self.unrecorded,
+            },
+            use_bin_type=True,
+        )
+        digest = hashlib.sha256(body).hexdigest()
+        header = {"format": SNAPSHOT_FORMAT, "version": SNAPSHOT_VERSION, "sha256": digest, "body": body}
+        return msgpack.packb(header, use_bin_type=True)
+
+    @classmethod
+    def parse(cls, url: str, raw: bytes) -> Snapshot:
+        """Load a snapshot; ``LedgerError`` naming it where it is torn, corrupt or not a snapshot."""
+        try:
+            outer = msgpack.unpackb(raw, raw=False)
+        except Exception as exn:
+            raise LedgerError(url, f"unreadable ledger snapshot (torn or not msgpack: {exn})") from None
+        if not isinstance(outer, dict) or outer.get("format") != SNAPSHOT_FORMAT:
+            raise LedgerError(url, "not a wdsraft ledger snapshot")
+        if outer.get("version") != SNAPSHOT_VERSION:
+            raise LedgerError(url, f"unsupported ledger snapshot version {outer.get('version')!r}")
+        body = outer.get("body", b"")
+        if not isinstance(body, bytes) or hashlib.sha256(body).hexdigest() != outer.get("sha256"):
+            raise LedgerError(url, "checksum mismatch: the snapshot is torn or corrupt")
+        try:
+            record = msgpack.unpackb(body, raw=False, strict_map_key=False)
+            epochs = {int(epoch): ConsumedSet.from_plain(plain) for epoch, plain in record["epochs"].items()}
+            snapshot = cls(
+                str(record["ledger"]),
+                {str(run): int(commit) for run, commit in record["lineage"].items()},
+                dict(record["steps"]),
+                epochs,
+                dict(record["shards"]),
+                bool(record["unrecorded"]),
+                url,
+            )
+        except (KeyError, ValueError, TypeError, AttributeError, msgpack.UnpackException) as exn:
+            raise LedgerError(url, f"checksum right but not the structure of a ledger snapshot ({exn!r})") from None
+        return snapshot
+
+    def refusal(self, ledger: str, lineage: dict[str, int], steps: dict[str, int | None] | None) -> str | None:
+        """Why this snapshot must not be used to read ``ledger`` under a watermark, or None where it may:
+        another ledger's, a run outside the lineage, or a run counted further than the watermark counts it
+        (a snapshot newer than the checkpoint, after a rewind)."""
+        if self.ledger.rstrip("/") != ledger.rstrip("/"):
+            return f"it is the snapshot of another ledger ({self.ledger})"
+        wanted = marks(lineage, steps)
+        for run, (kind, value) in marks(self.lineage, self.steps).items():
+            if run not in wanted:
+                return (
+                    f"it counts run {run}, which is outside the lineage being read (a run after the checkpoint, or "
+                    "another branch of the training)"
+                )
+            want_kind, want_value = wanted[run]
+            if kind != want_kind:
+                return f"it counts run {run} by {kind}, the watermark by {want_kind}"
+            if value > want_value:
+                return (
+                    f"it is newer than the checkpoint: it counts run {run} up to {kind} {value}, the checkpoint "
+                    f"up to {want_value}"
+                )
+        return None
+
+    def runs_to_read(self, lineage: dict[str, int], steps: dict[str, int | None] | None) -> set[str]:
+        """The runs of a watermark (that this snapshot is within) whose files hold commits it lacks."""
+        mine = marks(self.lineage, self.steps)
+        return {run for run, mark in marks(lineage, steps).items() if mine.get(run) != mark}
+
+
+def find_snapshot(path: str, lineage: dict[str, int], steps: dict[str, int | None] | None) -> Snapshot | None:
+    """The snapshot to start reading ``path`` under a watermark from: the one of that watermark itself
+    (one read), else the usable one covering the most runs among those in ``PATH/snapshots``. Those that
+    may not be used are skipped with a warning saying why."""
+    exact = snapshot_url(path, lineage, steps)
+    found = _usable(exact, read_optional(exact), path, lineage, steps)
+    if found is not None:
+        return found
+    others = [url for url in list_under(path, SNAPSHOT_DIR) if url.endswith(SNAPSHOT_SUFFIX) and url != exact]
+    if len(others) > SCAN_LIMIT:
+        logger.info("%d ledger snapshots in %s: reading %d of them", len(others), path, SCAN_LIMIT)
+        others = others[:SCAN_LIMIT]
+    candidates = [
+        snapshot
+        for url, raw in zip(others, parallel_map(read_optional, others), strict=True)
+        if (snapshot := _usable(url, raw, path, lineage, steps)) is not None
+    ]
+    if not candidates:
+        return None
+    return min(candidates, key=lambda s: (len(s.runs_to_read(lineage, steps)), s.url))
+
+
+def _usable(
+    url: str, raw: bytes | None, path: str, lineage: dict[str, int], steps: dict[str, int | None] | None
+) -> Snapshot | None:
+    if raw is None:
+        return None
+    try:
+        snapshot = Snapshot.parse(url, raw)
+    except LedgerError as exn:
+        logger.warning("ignoring the ledger snapshot %s, reading the rank files instead: %s", url, exn)
+        return None
+    why = snapshot.refusal(path, lineage, steps)
+    if why is not None:
+        logger.warning("ignoring the ledger snapshot %s, reading the rank files instead: %s", url, why)
+        return None
+    return snapshot
+
+
+def write_snapshot(snapshot: Snapshot) -> str:
+    """Write ``snapshot`` (atomically) under its ledger, named by its watermark; returns its URL."""
+    url = snapshot_url(snapshot.ledger, snapshot.lineage, snapshot.steps)
+    write_bytes_atomic(url, snapshot.to_bytes())
+    snapshot.url = url
+    return url
+
+
+def snapshot_urls(path: str) -> Iterable[str]:
+    return [url for url in list_under(path, SNAPSHOT_DIR) if url.endswith(SNAPSHOT_SUFFIX)]
