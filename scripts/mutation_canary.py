@@ -255,6 +255,30 @@ MUTATIONS: tuple[Mutation, ...] = (
         'detail = "configuration differs"',
         ("tests/pipeline/test_readme_claims.py::test_a_state_loaded_into_another_configuration_names_what_differs",),
     ),
+    Mutation(
+        "index-count-ignored",
+        "a reader with an index no longer compares the sample count at the shard's end: a copy whose tail "
+        "was zero-filled at a sample boundary silently yields fewer samples",
+        "short = not closed or ordinal + 1 < count",
+        "short = not closed",
+        ("tests/tar/test_shard_integrity.py",),
+    ),
+    Mutation(
+        "remote-reopen-from-zero",
+        "a remote read that failed part-way reopens at byte 0 instead of the byte reached: the shard's "
+        "first bytes are delivered twice",
+        "opened = opener(self._pos, self._etag)",
+        "opened = opener(0, self._etag)",
+        ("tests/io/test_remote_reads.py::test_a_fault_costs_a_retry_not_a_byte",),
+    ),
+    Mutation(
+        "ledger-snapshot-newer-trusted",
+        "a ledger snapshot newer than the checkpoint being resumed (after a rewind) is trusted: samples "
+        "consumed after the checkpoint are skipped, never delivered",
+        "if value > want_value:",
+        "if value > want_value and False:",
+        ("tests/ledger/test_ledger_scale.py",),
+    ),
 )
 
 
