@@ -342,6 +342,7 @@ def test_every_command_has_a_description_and_a_help_line() -> None:
         "ledger merge",
         "ledger rewind",
         "ledger export",
+        "ledger compact",
     ]
     assert sorted(found) == sorted(expected)
     for name, (sub, help) in found.items():
