@@ -5,17 +5,15 @@ says was committed (the steps every rank of a run reached, the newest such water
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import secrets
 import time
 from typing import Any
 
-import msgpack
-
 from wdsraft.core.errors import LedgerError
 from wdsraft.io.storage import write_bytes_atomic
+from wdsraft.ledger.envelope import seal, unseal
 
 logger = logging.getLogger(__name__)
 
@@ -87,47 +85,25 @@ class RankFile:
         self.commits: list[dict[str, Any]] = []
 
     def to_bytes(self) -> bytes:
-        body = msgpack.packb(
-            {
-                "run": self.run,
-                "rank": self.rank,
-                "world_size": self.world_size,
-                "parent": self.parent,
-                "parent_steps": self.parent_steps,
-                "commits": self.commits,
-            },
-            use_bin_type=True,
-        )
-        return msgpack.packb(
-            {
-                "format": LEDGER_FORMAT,
-                "version": LEDGER_VERSION,
-                "sha256": hashlib.sha256(body).hexdigest(),
-                "body": body,
-            },
-            use_bin_type=True,
-        )
+        record = {
+            "run": self.run,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "parent": self.parent,
+            "parent_steps": self.parent_steps,
+            "commits": self.commits,
+        }
+        return seal(LEDGER_FORMAT, LEDGER_VERSION, record)
 
     def save(self) -> None:
         write_bytes_atomic(self.url, self.to_bytes())
 
     @classmethod
     def parse(cls, url: str, raw: bytes) -> RankFile:
+        record = unseal(url, raw, LEDGER_FORMAT, LEDGER_VERSION, "ledger file")
         try:
-            outer = msgpack.unpackb(raw, raw=False)
-        except Exception as exn:
-            raise LedgerError(url, f"unreadable ledger file (torn or not msgpack: {exn})") from None
-        if not isinstance(outer, dict) or outer.get("format") != LEDGER_FORMAT:
-            raise LedgerError(url, "not a wdsraft ledger file")
-        if outer.get("version") != LEDGER_VERSION:
-            raise LedgerError(url, f"unsupported ledger version {outer.get('version')!r}")
-        body = outer.get("body", b"")
-        if hashlib.sha256(body).hexdigest() != outer.get("sha256"):
-            raise LedgerError(url, "checksum mismatch: the file is torn or corrupt")
-        try:
-            record = msgpack.unpackb(body, raw=False, strict_map_key=False)
             _check_structure(record)
-        except (ValueError, TypeError, msgpack.UnpackException) as exn:  # (the checksum held: written so)
+        except (ValueError, TypeError) as exn:  # (the checksum held: written so)
             raise LedgerError(url, f"checksum right but not the structure of a ledger file ({exn})") from None
         loaded = cls(
             url, record["run"], record["rank"], record["world_size"], record["parent"], record.get("parent_steps")

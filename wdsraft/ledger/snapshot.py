@@ -22,6 +22,7 @@ import msgpack
 from wdsraft.core.errors import LedgerError
 from wdsraft.io.storage import write_bytes_atomic
 from wdsraft.ledger.consumed import ConsumedSet
+from wdsraft.ledger.envelope import seal, unseal
 from wdsraft.ledger.identity import Identity
 from wdsraft.ledger.reading import list_under, parallel_map, read_optional
 
@@ -66,38 +67,22 @@ class Snapshot:
     url: str = ""
 
     def to_bytes(self) -> bytes:
-        body = msgpack.packb(
-            {
-                "ledger": self.ledger,
-                "lineage": self.lineage,
-                "steps": self.steps,
-                "created": time.time(),
-                "epochs": {str(epoch): consumed.to_plain() for epoch, consumed in self.epochs.items()},
-                "shards": self.shards,
-                "unrecorded": self.unrecorded,
-            },
-            use_bin_type=True,
-        )
-        digest = hashlib.sha256(body).hexdigest()
-        header = {"format": SNAPSHOT_FORMAT, "version": SNAPSHOT_VERSION, "sha256": digest, "body": body}
-        return msgpack.packb(header, use_bin_type=True)
+        record = {
+            "ledger": self.ledger,
+            "lineage": self.lineage,
+            "steps": self.steps,
+            "created": time.time(),
+            "epochs": {str(epoch): consumed.to_plain() for epoch, consumed in self.epochs.items()},
+            "shards": self.shards,
+            "unrecorded": self.unrecorded,
+        }
+        return seal(SNAPSHOT_FORMAT, SNAPSHOT_VERSION, record)
 
     @classmethod
     def parse(cls, url: str, raw: bytes) -> Snapshot:
         """Load a snapshot; ``LedgerError`` naming it where it is torn, corrupt or not a snapshot."""
+        record = unseal(url, raw, SNAPSHOT_FORMAT, SNAPSHOT_VERSION, "ledger snapshot")
         try:
-            outer = msgpack.unpackb(raw, raw=False)
-        except Exception as exn:
-            raise LedgerError(url, f"unreadable ledger snapshot (torn or not msgpack: {exn})") from None
-        if not isinstance(outer, dict) or outer.get("format") != SNAPSHOT_FORMAT:
-            raise LedgerError(url, "not a wdsraft ledger snapshot")
-        if outer.get("version") != SNAPSHOT_VERSION:
-            raise LedgerError(url, f"unsupported ledger snapshot version {outer.get('version')!r}")
-        body = outer.get("body", b"")
-        if not isinstance(body, bytes) or hashlib.sha256(body).hexdigest() != outer.get("sha256"):
-            raise LedgerError(url, "checksum mismatch: the snapshot is torn or corrupt")
-        try:
-            record = msgpack.unpackb(body, raw=False, strict_map_key=False)
             epochs = {int(epoch): ConsumedSet.from_plain(plain) for epoch, plain in record["epochs"].items()}
             snapshot = cls(
                 str(record["ledger"]),
@@ -108,7 +93,7 @@ class Snapshot:
                 bool(record["unrecorded"]),
                 url,
             )
-        except (KeyError, ValueError, TypeError, AttributeError, msgpack.UnpackException) as exn:
+        except (KeyError, ValueError, TypeError, AttributeError) as exn:
             raise LedgerError(url, f"checksum right but not the structure of a ledger snapshot ({exn!r})") from None
         return snapshot
 
