@@ -69,13 +69,7 @@ def verify_shard(url: str, entry: ManifestEntry | None = None, checksum: bool = 
 
 def compare_indexes(actual: ShardIndex, recorded: ShardIndex, what: str) -> list[str]:
     """How the shard as read (``actual``) differs from a recorded index, each difference with its place."""
-    problems = []
-    if actual.size != recorded.size:
-        problems.append(f"{actual.size} bytes, {what} says {recorded.size}")
-    if actual.sha256 and recorded.sha256 and actual.sha256 != recorded.sha256:
-        problems.append(f"sha256 {actual.sha256[:16]}..., {what} says {recorded.sha256[:16]}...")
-    if actual.num_samples != recorded.num_samples:
-        problems.append(f"{actual.num_samples} samples, {what} says {recorded.num_samples}")
+    problems = _compare_totals(actual, recorded.size, recorded.sha256, recorded.num_samples, what)
     common = min(actual.num_samples, recorded.num_samples) + 1
     moved = next((i for i in range(common) if actual.offsets[i] != recorded.offsets[i]), None)
     if moved is not None:
@@ -94,13 +88,18 @@ def compare_indexes(actual: ShardIndex, recorded: ShardIndex, what: str) -> list
 
 
 def compare_entry(actual: ShardIndex, entry: ManifestEntry) -> list[str]:
+    """How the shard as read differs from its manifest entry (size, sha256, sample count)."""
+    return _compare_totals(actual, entry.size, entry.sha256, entry.num_samples, "the manifest")
+
+
+def _compare_totals(actual: ShardIndex, size: int, sha256: str | None, num_samples: int, what: str) -> list[str]:
     problems = []
-    if actual.size != entry.size:
-        problems.append(f"{actual.size} bytes, the manifest says {entry.size}")
-    if actual.sha256 and entry.sha256 and actual.sha256 != entry.sha256:
-        problems.append(f"sha256 {actual.sha256[:16]}..., the manifest says {entry.sha256[:16]}...")
-    if actual.num_samples != entry.num_samples:
-        problems.append(f"{actual.num_samples} samples, the manifest says {entry.num_samples}")
+    if actual.size != size:
+        problems.append(f"{actual.size} bytes, {what} says {size}")
+    if actual.sha256 and sha256 and actual.sha256 != sha256:
+        problems.append(f"sha256 {actual.sha256[:16]}..., {what} says {sha256[:16]}...")
+    if actual.num_samples != num_samples:
+        problems.append(f"{actual.num_samples} samples, {what} says {num_samples}")
     return problems
 
 
