@@ -15,7 +15,7 @@ import io
 import lzma
 import zlib
 from collections.abc import Iterator
-from typing import IO
+from typing import IO, Any
 
 import numpy as np
 
@@ -103,7 +103,7 @@ class TarMemberReader:
             self._read_error = error
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
-    def batches(self, plain: bool = False) -> Iterator[list[TarMember]]:
+    def batches(self, plain: bool = False) -> Iterator[list[Any]]:
         """Lists of the members read, in order; ``plain``: as ``(name, offset, data)`` tuples (cheaper)."""
         url = self.url
         buf = b""
@@ -126,7 +126,7 @@ class TarMemberReader:
                     raise TarFormatError(url, base, f"truncated header ({len(buf)} of 512 bytes)")
 
             # 1. Every member wholly inside the buffer, checksums checked together afterwards.
-            batch: list[TarMember] = []
+            batch: list[Any] = []  # TarMember, or with ``plain`` (name, offset, data) from the common path
             headers: list[int] = []  # buf positions of the headers parsed
             ends: list[tuple[int, int]] = []  # per member: headers parsed so far, buf position after it
             failure: Exception | None = None

@@ -24,7 +24,6 @@ from wdsraft.core.fields import OFFSET_FIELD, ORDINAL_FIELD
 from wdsraft.index.shard_index import INDEX_SUFFIX, ShardIndex
 from wdsraft.io.gopen import open_shard
 from wdsraft.io.storage import local_path as path_of
-from wdsraft.tar.format import TarMember
 from wdsraft.tar.members import TarMemberReader
 from wdsraft.tar.naming import DEFAULT_SKIP_META, split_key
 from wdsraft.tar.spans import SpanDigester
@@ -171,6 +170,7 @@ class ShardSampleReader:
                 # split_key, inline for the common name (a basename not starting with a dot)
                 slash = name.rfind("/")
                 dot = name.find(".", slash + 1)
+                raw_prefix: str | None
                 if dot > slash + 1:
                     raw_prefix, extension = name[:dot], name[dot + 1 :]
                 else:
