@@ -124,9 +124,21 @@ def test_default_handlers_give_webdatasets_results_on_the_common_extensions() ->
 def test_decoder_options_as_webdatasets(options: dict[str, Any]) -> None:
     samples = _samples()
     if options.get("partial"):
-        samples = [{**s, "done": 42} for s in samples]  # (a field that is no longer bytes)
+        samples = [{**s, "done": 42, "txt": "decoded before"} for s in samples]  # (fields no longer bytes)
     theirs, ours = _both(_decode(**options), samples)
     _same(theirs, ours)
+    if options.get("partial"):
+        assert ours[0]["txt"] == "decoded before" and ours[0]["json"] == {"id": 1, "t": "é"}
+
+
+def test_a_field_that_is_not_bytes_fails_as_in_webdataset() -> None:
+    sample = {"__key__": "a", "json": b"{}", "txt": "decoded before"}
+    errors = []
+    for side in (0, 1):
+        with pytest.raises(autodecode.DecodingError) as error:
+            _both_lazily(_decode(), [sample], side)
+        errors.append((error.value.k, type(error.value.__cause__)))
+    assert errors[0] == errors[1] == ("txt", AssertionError)
 
 
 def test_handle_extension_and_own_handlers_as_webdatasets() -> None:
@@ -140,12 +152,14 @@ def test_handle_extension_and_own_handlers_as_webdatasets() -> None:
         _decode(
             autodecode.handle_extension("seg.txt", lambda data: b"seg:" + data),
             autodecode.handle_extension("JSON jsn", lambda data: None),  # None: on to the next handler
+            autodecode.handle_extension("bin", lambda data: autodecode.Continue("bin.txt", data)),  # renamed
             own,
         ),
         _samples(),
     )
     _same(theirs, ours)
     assert calls[: len(calls) // 2] == calls[len(calls) // 2 :]  # asked about the same keys, in the same order
+    assert ours[10]["bin"] == "\x00\x01" and ours[10]["seg.txt"] == b"seg:dotted"
 
 
 def test_image_handler_without_or_with_pil_as_webdatasets() -> None:

@@ -168,6 +168,7 @@ class DecodeStage(webdataset_filters.FilterFunction):
 
 #: A field's plan (``_SampleDecoder``): kept as it is ("__" fields: decoded if bytes, ``only`` leaves it).
 _META, _KEPT = -1, -2
+_MAX_SHAPES = 64  # samples of more shapes than this (field names vary from sample to sample): no shape plans
 
 
 class _SampleDecoder:
@@ -178,6 +179,7 @@ class _SampleDecoder:
         self.only = decoder.only
         self.partial = decoder.partial
         self.plans: dict[Any, Plan] = {}
+        self.shapes: dict[tuple[Any, ...], Any] = {}
         self.planner = _Planner(self.handlers)
 
     def _plan(self, k: Any) -> Plan:
@@ -188,6 +190,61 @@ class _SampleDecoder:
         return self.planner.plan(k)
 
     def __call__(self, sample: dict[str, Any]) -> dict[str, Any]:
+        """The sample decoded. Samples of a shape seen before (the same field names in the same order) whose
+        fields all have a direct function take the short way: a copy with those fields replaced."""
+        shape = tuple(sample)
+        plan = self.shapes.get(shape)
+        if plan is None:
+            plan = self._shape_plan(shape)
+        if plan is False:
+            return self._decode(sample)
+        meta, fields = plan
+        result = sample.copy()
+        for k in meta:
+            if isinstance(result[k], bytes):
+                return self._decode(sample)  # (bytes in a "__" field: webdataset's own way, message and all)
+        for k, _, _ in fields:
+            if type(result[k]) is not bytes:
+                return self._decode(sample)  # (asserts, partial=True: the general way, before any function runs)
+        k = None
+        try:
+            for k, function, position in fields:
+                if function is not None:
+                    v = result[k]
+                    value = function(v)
+                    if value is None or isinstance(value, autodecode.Continue):  # rare: the walk takes over
+                        value = _after(self.handlers, position, "." + k, v, value)
+                    result[k] = value
+        except Exception as exn:
+            raise autodecode.DecodingError(
+                key=sample.get("__key__"), url=sample.get("__url__"), k=k, sample=sample
+            ) from exn
+        return result
+
+    def _shape_plan(self, shape: tuple[Any, ...]) -> Any:
+        """(the "__" fields, [(field, function or None, handler position)]) for a shape whose every field is
+        planned to a direct function or to no handler at all; False for any other (or once many shapes were seen)."""
+        plan: Any = False
+        if len(self.shapes) < _MAX_SHAPES:
+            meta, fields = [], []
+            for k in shape:
+                if k not in self.plans:
+                    self.plans[k] = self._plan(k)
+                position, function = self.plans[k]
+                if position == _META:
+                    meta.append(k)
+                elif position == _KEPT:
+                    continue
+                elif function is not None or position == len(self.handlers):
+                    fields.append((k, function, position))
+                else:
+                    break  # a handler to ask: the general way
+            else:
+                plan = (tuple(meta), tuple(fields))
+            self.shapes[shape] = plan
+        return plan
+
+    def _decode(self, sample: dict[str, Any]) -> dict[str, Any]:
         plans, partial_ = self.plans, self.partial
         result: dict[str, Any] = {}
         k = None
