@@ -128,15 +128,16 @@ class TarMemberReader:
             # 1. Every member wholly inside the buffer, checksums checked together afterwards.
             batch: list[Any] = []  # TarMember, or with ``plain`` (name, offset, data) from the common path
             headers: list[int] = []  # buf positions of the headers parsed
-            ends: list[tuple[int, int]] = []  # per member: headers parsed so far, buf position after it
+            ends: list[int] = []  # per member: its end in buf (where the next header starts)
             failure: Exception | None = None
             ended = False
             end = len(buf)
+            unchained = self._chain_start is None  # (no extended header waits for its member)
             try:
                 while end - pos >= BLOCK:
                     # The common member, read without slicing its header: a regular file ('0') with an
                     # 11-digit octal size, no extended header before it. Anything else: the general path.
-                    if buf[pos + 156] == 48 and buf[pos + 135] == 0 and self._chain_start is None:
+                    if buf[pos + 156] == 48 and buf[pos + 135] == 0 and unchained:
                         try:
                             size = int(buf[pos + 124 : pos + 135], 8) if buf[pos + 124] < 0x80 else -1
                         except ValueError:
@@ -147,11 +148,15 @@ class TarMemberReader:
                             if next_header > end:
                                 break  # straddles the buffer: handled below, on its own
                             headers.append(pos)
-                            name = _fast_name(buf, pos)
+                            if buf[pos + 345]:  # (a ustar prefix, perhaps)
+                                name = _fast_name(buf, pos)
+                            else:
+                                cut = buf.find(b"\0", pos, pos + 100)
+                                name = buf[pos : cut if cut >= 0 else pos + 100].decode("utf-8", "surrogateescape")
                             data = buf[data_start : data_start + size]
                             batch.append((name, base + pos, data) if plain else TarMember(name, base + pos, data))
                             pos = next_header
-                            ends.append((len(headers), pos))
+                            ends.append(pos)
                             continue
                     header = buf[pos : pos + BLOCK]
                     if header == _ZERO_BLOCK:
@@ -164,25 +169,27 @@ class TarMemberReader:
                         break  # straddles the buffer: handled below, on its own
                     headers.append(pos)
                     member = self._member(header, base + pos, buf[data_start : data_start + size])
+                    unchained = self._chain_start is None
                     pos = next_header
                     if member is not None:
                         batch.append(member)
-                        ends.append((len(headers), pos))
+                        ends.append(pos)
             except (TarFormatError, ValueError) as exn:
                 headers.append(pos)  # a parse failure may stem from a corrupt header: check it too
                 failure = exn
             bad = _first_bad_header(buf, headers)
             if bad is not None or failure is not None:
-                good = [i for i, (count, _) in enumerate(ends) if bad is None or count <= bad]
+                # A member is good when all its headers lie before the bad one: when it ends at or before it.
+                good = [i for i, member_end in enumerate(ends) if bad is None or member_end <= headers[bad]]
                 if good:
-                    self.end_offset = base + ends[good[-1]][1]
+                    self.end_offset = base + ends[good[-1]]
                     yield batch[: len(good)]
                 if bad is not None:
                     raise TarFormatError(url, base + headers[bad], "bad header checksum (corrupt or not a tar archive)")
                 assert failure is not None
                 raise failure
             if batch:
-                self.end_offset = base + ends[-1][1]
+                self.end_offset = base + ends[-1]
                 yield batch
             if ended:
                 if self._chain_start is not None:
