@@ -52,6 +52,7 @@ def _samples() -> list[dict[str, Any]]:
         {"__key__": "g", **base, "json": codecs.BOM_UTF8 + b'{"a": 1}', "jsn": '{"b": 2}'.encode("utf-16")},
         {"__key__": "h", **base, "json": '{"c": 3}'.encode("utf-16-le"), "jsn": '"x"'.encode("utf-32-be")},
         {"__key__": "i", **base, "json": b"1", "jsn": b"12"},
+        {"__key__": "i2", **base, "json": b'{"a": [1, 2.5, null]}\n ', "jsn": b'"s"', "id": b"\t7\n"},
         # compressed fields: gzfilter's Continue renames and decodes further
         {"__key__": "j", **base, "txt.gz": gzip.compress(b"zipped"), "json.gz": gzip.compress(b'{"z": 1}')},
         # dotted and upper-case names, unknown extensions, bytes in "__" fields
@@ -105,8 +106,8 @@ def test_default_handlers_give_webdatasets_results_on_the_common_extensions() ->
     assert len(ours) == len(_samples())
     _same(theirs, ours)
     assert ours[0]["json"] == {"id": 1, "t": "é"} and ours[5]["json"] == b"null"  # (the corner really ran)
-    assert ours[6]["json"] == {"a": 1} and ours[9]["txt.gz"] == "zipped" and ours[10]["__key__"] == b"k"
-    assert ours[11]["__note__"] == "né" and ours[11]["__extra__"] == b"\xff\xfe" and ours[4]["msg"] == {"m": 2}
+    assert ours[6]["json"] == {"a": 1} and ours[10]["txt.gz"] == "zipped" and ours[11]["__key__"] == b"k"
+    assert ours[12]["__note__"] == "né" and ours[12]["__extra__"] == b"\xff\xfe" and ours[4]["msg"] == {"m": 2}
 
 
 @pytest.mark.parametrize(
@@ -159,7 +160,7 @@ def test_handle_extension_and_own_handlers_as_webdatasets() -> None:
     )
     _same(theirs, ours)
     assert calls[: len(calls) // 2] == calls[len(calls) // 2 :]  # asked about the same keys, in the same order
-    assert ours[10]["bin"] == "\x00\x01" and ours[10]["seg.txt"] == b"seg:dotted"
+    assert ours[11]["bin"] == "\x00\x01" and ours[11]["seg.txt"] == b"seg:dotted"
 
 
 def test_image_handler_without_or_with_pil_as_webdatasets() -> None:
@@ -213,6 +214,16 @@ def test_errors_name_the_same_field_and_the_handler_skips_as_webdatasets() -> No
     stopped = _both(_decode(handler=webdataset.handlers.ignore_and_stop), bad)
     _same(*stopped)
     assert [s["__key__"] for s in stopped[1]] == ["a"]
+
+
+@pytest.mark.parametrize("text", [b"{} {}", b"]", b"{broken", b"  ", b'{"a": 1,}', b"\xff{}", b"nul"])
+def test_bad_json_fails_with_jsons_own_error(text: bytes) -> None:
+    errors = []
+    for side in (0, 1):
+        with pytest.raises(autodecode.DecodingError) as error:
+            _both_lazily(_decode(), [{"__key__": "a", "json": text}], side)
+        errors.append((error.value.k, type(error.value.__cause__), str(error.value.__cause__)))
+    assert errors[0] == errors[1]
 
 
 def _both_lazily(build: Any, samples: list[dict[str, Any]], side: int) -> list[Any]:

@@ -45,13 +45,19 @@ def _pil_importable() -> bool:
 
 
 _JSON = json.JSONDecoder()  # (what json.loads uses when given no options)
+_SCAN = _JSON.scan_once  # what JSONDecoder.decode calls after skipping whitespace
 
 
 def _json_loads(data: bytes) -> Any:
     """``json.loads(data)``: bytes that json would read as UTF-8 (no BOM, no NUL in the first two) skip its
     encoding detection; anything else goes through json.loads itself."""
     if type(data) is bytes and data and data[0] not in _NOT_PLAIN_UTF8 and (len(data) < 2 or data[1]):
-        return _JSON.decode(data.decode("utf-8", "surrogatepass"))
+        text = data.decode("utf-8", "surrogatepass")
+        try:  # the scanner alone, when it reads the whole text (no whitespace around the value)
+            value, end = _SCAN(text, 0)
+        except StopIteration:  # (leading whitespace, or no value: decode skips the one, reports the other)
+            return _JSON.decode(text)
+        return value if end == len(text) else _JSON.decode(text)
     return json.loads(data)
 
 
