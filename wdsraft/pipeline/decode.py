@@ -45,7 +45,7 @@ def _pil_importable() -> bool:
 
 
 _JSON = json.JSONDecoder()  # (what json.loads uses when given no options)
-_SCAN = _JSON.scan_once  # what JSONDecoder.decode calls after skipping whitespace
+_SCAN = _JSON.scan_once  # type: ignore[attr-defined]  # (what JSONDecoder.decode calls after skipping whitespace)
 
 
 def _json_loads(data: bytes) -> Any:
