@@ -157,7 +157,7 @@ class DecodeStage(webdataset_filters.FilterFunction):
 
     @staticmethod
     def _run(src: Iterator[Any], decoder: autodecode.Decoder, handler: Handler) -> Iterator[Any]:
-        decode = _SampleDecoder(decoder)
+        decode = _SampleDecoder(decoder).__call__
         for sample in src:
             try:
                 result = decode(sample) if type(sample) is dict else decoder(sample)

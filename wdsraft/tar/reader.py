@@ -206,13 +206,14 @@ class ShardSampleReader:
                     # A sample normally starts where its raw group starts; one that a rename split off
                     # mid-group starts at its own first member (resuming there yields it first).
                     start = group_offset if current is None or current_offset != group_offset else offset
+                    number = ordinal if ordinal > 0 else 0  # (-1 before the first keyed member)
                     if current is not None:
                         if not holding or current[ORDINAL_FIELD] <= verified:
-                            self.next_offset, self.next_ordinal = start, max(ordinal, 0)
+                            self.next_offset, self.next_ordinal = start, number
                             yield current
                         else:
-                            held.append((current, start, max(ordinal, 0)))
-                    current = {"__key__": prefix, "__url__": url, ORDINAL_FIELD: max(ordinal, 0), OFFSET_FIELD: start}
+                            held.append((current, start, number))
+                    current = {"__key__": prefix, "__url__": url, ORDINAL_FIELD: number, OFFSET_FIELD: start}
                     current_key, current_offset = prefix, start
                 if suffix in current:
                     error = ValueError(
