@@ -17,6 +17,7 @@ from urllib.parse import urlparse
 
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
+from webdataset import autodecode
 from webdataset import shardlists as webdataset_shardlists
 from webdataset.compat import FluidInterface as WebdatasetFluidInterface
 from webdataset.compat import check_empty
@@ -25,6 +26,7 @@ from webdataset.handlers import reraise_exception
 from wdsraft import filters, llm
 from wdsraft.core.state import describe
 from wdsraft.pipeline.datapipeline import DataPipeline
+from wdsraft.pipeline.decode import DecodeStage
 from wdsraft.pipeline.loader import DieWithParent, LoaderSource, convert_batch
 from wdsraft.pipeline.shardlists import ResampledShards, SimpleShardList, single_node_only, split_by_worker
 from wdsraft.pipeline.source import TarfileToSamples
@@ -46,6 +48,20 @@ class FluidInterface(WebdatasetFluidInterface):
 
     def unlisted(self) -> Any:
         return self.compose(filters.unlisted())
+
+    def decode(
+        self,
+        *args: Any,
+        pre: Any = None,
+        post: Any = None,
+        only: Any = None,
+        partial: bool = False,
+        handler: Any = reraise_exception,
+    ) -> Any:
+        """webdataset's ``decode``: the same ``Decoder`` and results, planned once per field name (``DecodeStage``)."""
+        handlers = [autodecode.ImageHandler(x) if isinstance(x, str) else x for x in args]
+        decoder = autodecode.Decoder(handlers, pre=pre, post=post, only=only, partial=partial)
+        return self.compose(DecodeStage(decoder, handler=handler))
 
     def shuffle(self, size: int, **kw: Any) -> Any:
         if size < 1:

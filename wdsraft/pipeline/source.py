@@ -156,7 +156,8 @@ class TarfileToSamples(SourceStage):
                         live["offset"], live["ordinal"] = reader.next_offset, reader.next_ordinal
                         if local is not None:
                             sample["__local_path__"] = local
-                        ctx.stamp((url, sample[ORDINAL_FIELD], sample[OFFSET_FIELD], 0))
+                        ctx.provenance = (url, sample[ORDINAL_FIELD], sample[OFFSET_FIELD], 0)  # (ctx.stamp, inline)
+                        ctx.serial += 1
                         yield sample
                     stopped = stopped or reader.stopped
             except Exception as exn:

@@ -14,6 +14,7 @@ import os
 import re
 import sys
 from collections.abc import Callable, Iterable, Iterator
+from itertools import chain
 from typing import IO, Any, Literal, cast
 
 from webdataset.handlers import reraise_exception
@@ -23,7 +24,6 @@ from wdsraft.core.fields import OFFSET_FIELD, ORDINAL_FIELD
 from wdsraft.index.shard_index import INDEX_SUFFIX, ShardIndex
 from wdsraft.io.gopen import open_shard
 from wdsraft.io.storage import local_path as path_of
-from wdsraft.tar.format import TarMember
 from wdsraft.tar.members import TarMemberReader
 from wdsraft.tar.naming import DEFAULT_SKIP_META, split_key
 from wdsraft.tar.spans import SpanDigester
@@ -34,9 +34,9 @@ logger = logging.getLogger(__name__)
 Handler = Callable[[BaseException], bool]
 
 
-def _members(reader: TarMemberReader) -> Iterator[TarMember]:
-    for batch in reader.batches():
-        yield from batch
+def _members(reader: TarMemberReader) -> Iterator[tuple[str, int, bytes]]:
+    """The reader's members one by one, as plain tuples (chained in C: no Python frame per member)."""
+    return chain.from_iterable(reader.batches(plain=True))
 
 
 class ShardSampleReader:
@@ -161,11 +161,20 @@ class ShardSampleReader:
         # Without a rename, a sample goes out when the next group starts, just after that group's check:
         # only a rename can hand one out earlier, so only then is the test below needed.
         holding = checks is not None and rename is not None
+        current_key: str | None = None  # current's "__key__" and "__offset__" (read often: kept at hand)
+        current_offset = -1
         try:
             for name, offset, data in _members(members):
                 if (name[:2] == "__" or not meta_prefix_only) and self._is_meta(name):
                     continue
-                raw_prefix, _ = split_key(name)
+                # split_key, inline for the common name (a basename not starting with a dot)
+                slash = name.rfind("/")
+                dot = name.find(".", slash + 1)
+                raw_prefix: str | None
+                if dot > slash + 1:
+                    raw_prefix, extension = name[:dot], name[dot + 1 :]
+                else:
+                    raw_prefix, extension = split_key(name)
                 if raw_prefix is None:  # no key as written: if a rename gives it one, its sample starts here
                     group_offset = offset
                 elif raw_prefix != raw_key:
@@ -185,23 +194,27 @@ class ShardSampleReader:
                             held.clear()
                 if rename is not None:
                     name = rename(name)
-                prefix, suffix = split_key(name) if rename is not None else (raw_prefix, _)
+                    prefix, suffix = split_key(name)
+                else:
+                    prefix, suffix = raw_prefix, extension
                 if prefix is None:
                     continue  # no extension: webdataset drops such members
                 if select is not None and not select(name):
                     continue
                 suffix = suffix.lower()
-                if current is None or prefix != current["__key__"]:
+                if current is None or prefix != current_key:
                     # A sample normally starts where its raw group starts; one that a rename split off
                     # mid-group starts at its own first member (resuming there yields it first).
-                    start = group_offset if current is None or current[OFFSET_FIELD] != group_offset else offset
+                    start = group_offset if current is None or current_offset != group_offset else offset
+                    number = ordinal if ordinal > 0 else 0  # (-1 before the first keyed member)
                     if current is not None:
                         if not holding or current[ORDINAL_FIELD] <= verified:
-                            self.next_offset, self.next_ordinal = start, max(ordinal, 0)
+                            self.next_offset, self.next_ordinal = start, number
                             yield current
                         else:
-                            held.append((current, start, max(ordinal, 0)))
-                    current = {"__key__": prefix, "__url__": url, ORDINAL_FIELD: max(ordinal, 0), OFFSET_FIELD: start}
+                            held.append((current, start, number))
+                    current = {"__key__": prefix, "__url__": url, ORDINAL_FIELD: number, OFFSET_FIELD: start}
+                    current_key, current_offset = prefix, start
                 if suffix in current:
                     error = ValueError(
                         f"{name}: duplicate file name in tar file {suffix} {current.keys()} "

@@ -1,0 +1,100 @@
+"""CPU per sample of the read path, stage by stage, for one or more wdsraft source trees (before/after a change).
+
+    python benchmarks/read_path.py --shards 'DIR/*.tar' [--tree before=/path/to/old/checkout] [--rounds 5]
+
+Three levels, each over every shard given (warm page cache, one process):
+
+- ``tarfile_samples``: the tar walk, grouping and the index checks;
+- ``WebDataset``: plus the pipeline (source stage, positions, ``__local_path__``, its passes);
+- ``WebDataset.decode()``: plus webdataset's default decoding.
+
+Each measurement runs in a fresh Python process with ``PYTHONPATH`` set to its tree (the current
+checkout is ``--tree after=.`` by default): one warm-up epoch, then the median CPU time
+(``time.process_time``) of five epochs, divided by the samples. The trees alternate within each
+round, their order reversed every other round; reported are the medians over ``--rounds`` rounds.
+CPU time rather than wall time, because the machines these figures come from are shared: CPU time
+moves much less with the other work on the cores (it still grows somewhat with it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+LEVELS = ("tarfile_samples", "WebDataset", "WebDataset.decode()")
+REPOSITORY = Path(__file__).resolve().parent.parent
+
+
+def measure(level: str, pattern: str) -> float:
+    """CPU microseconds per sample of ``level`` over the shards (run inside the child process)."""
+    warnings.filterwarnings("ignore")
+    import wdsraft
+
+    urls = sorted(glob.glob(pattern))
+
+    def epoch() -> int:
+        if level == "tarfile_samples":
+            samples = wdsraft.tarfile_samples({"url": url} for url in urls)
+        elif level == "WebDataset":
+            samples = wdsraft.WebDataset(urls, shardshuffle=False)
+        else:
+            samples = wdsraft.WebDataset(urls, shardshuffle=False).decode()
+        return sum(1 for _ in samples)
+
+    epoch()
+    times = []
+    for _ in range(5):
+        start = time.process_time()
+        count = epoch()
+        times.append(time.process_time() - start)
+    return statistics.median(times) / count * 1e6
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--child"]:
+        print(measure(sys.argv[2], sys.argv[3]))
+        return
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shards", required=True, help="a glob of local shards (e.g. from wdsraft convert)")
+    parser.add_argument(
+        "--tree", action="append", default=[], help="NAME=PATH of a wdsraft checkout (repeatable; default after=.)"
+    )
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    trees = dict(tree.split("=", 1) for tree in args.tree) or {"after": str(REPOSITORY)}
+    print(f"shards: {args.shards} ({len(glob.glob(args.shards))} files); load average before: {_load()}")
+    results: dict[tuple[str, str], list[float]] = {(level, name): [] for level in LEVELS for name in trees}
+    for number in range(args.rounds):
+        for level in LEVELS:
+            names = list(trees) if number % 2 == 0 else list(trees)[::-1]
+            for name in names:
+                environment = {**os.environ, "PYTHONPATH": str(Path(trees[name]).resolve())}
+                output = subprocess.run(
+                    [sys.executable, __file__, "--child", level, args.shards],
+                    env=environment,
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                )
+                results[(level, name)].append(float(output.stdout))
+    print(f"\n| level | {' | '.join(trees)} |")
+    print(f"|---|{'---:|' * len(trees)}")
+    for level in LEVELS:
+        cells = [f"{statistics.median(results[(level, name)]):.2f} us" for name in trees]
+        print(f"| {level} | {' | '.join(cells)} |")
+    print(f"\nCPU per sample, median of {args.rounds} rounds; load average after: {_load()}")
+
+
+def _load() -> str:
+    return Path("/proc/loadavg").read_text().split()[0]
+
+
+if __name__ == "__main__":
+    main()
