@@ -253,7 +253,7 @@ class WebLoader(DataPipeline, FluidInterface):
         """The default ``snapshot_every_n_steps``: ``snapshot_steps_per_worker`` steps per worker, at least
         ``snapshot_every_n_steps``. Whatever the ``prefetch_factor``, a restore from a state taken
         between two snapshots re-runs at most this many batches (about as many per worker), and
-        each worker ships its state with about ``num_workers + 2`` batches per interval.
+        each worker ships its state with one batch per interval.
         """
         return max(cls.snapshot_every_n_steps, cls.snapshot_steps_per_worker * num_workers)
 

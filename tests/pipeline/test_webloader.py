@@ -210,7 +210,7 @@ def test_resume_between_worker_snapshots(urls) -> None:
 
 @pytest.mark.parametrize(("workers", "prefetch"), [(1, 2), (2, 8), (2, 64), (3, 64)])
 def test_workers_send_their_state_with_few_batches(urls, monkeypatch, workers, prefetch) -> None:
-    """A worker ships its state only with the batches around a snapshot step (``workers + 1``
+    """A worker ships its state only with its last batch before a snapshot step (``workers``
     of the ``16 * workers`` steps of the default interval), whatever the ``prefetch_factor``.
     torchdata asks with every batch requested within ``workers * (prefetch_factor + 1) + 1`` steps
     before a snapshot step: with a prefetch of 64, every batch for any interval under 131 steps."""
@@ -230,7 +230,7 @@ def test_workers_send_their_state_with_few_batches(urls, monkeypatch, workers, p
     batches = sum(1 for _ in loader)
     assert batches == 1056
     # (plus the first batch's state for each worker at start and each worker's state at its end)
-    assert calls.value <= batches * (workers + 1) / max(32, 16 * workers) + 3 * workers
+    assert calls.value <= batches * workers / max(32, 16 * workers) + 3 * workers
 
 
 def test_deep_restore_re_runs_a_bounded_number_of_batches(urls) -> None:

@@ -30,8 +30,8 @@ class _SnapshotFlags:
     torchdata asks for the state with every batch requested within ``num_workers * (prefetch_factor +
     1) + 1`` steps before a snapshot step, because a worker that runs out of data shifts the steps at
     which the batches requested after it are handed out. Without such a shift, request ``i`` is handed
-    out ``i - rcvd_idx`` steps after the batch being handed out now (or one more), so only the requests
-    that land in the last ``num_workers + 1`` steps before a snapshot step are flagged. A shift that makes a
+    out ``i - rcvd_idx`` steps after the next one, so only the requests that land in the last
+    ``num_workers`` steps before a snapshot step are flagged. A shift that makes a
     worker's last batch before a snapshot step one without a state is caught there, and that snapshot
     is skipped (``_CheapSnapshotIter._take_snapshot``): never a wrong state, at worst a longer re-run.
     """
@@ -64,16 +64,16 @@ class _CheapSnapshotIter(torchdata_loader._StatefulMultiProcessingDataLoaderIter
         if not all(isinstance(queue, _SnapshotFlags) for queue in self._index_queues):
             self._index_queues = [_SnapshotFlags(queue, self) for queue in self._index_queues]
         self._state_current: dict[Any, bool] = {}  # worker key -> its state is from its last batch
+        self._handing_out = False
         super()._reset(loader, first_iter, prime_prefetch)
 
     def wants_state(self, idx: int) -> bool:
-        interval, workers = self._snapshot_interval, self._num_workers
-        # The step request ``idx`` is handed out at, counted from 0, without shifts: one more if this
-        # runs while the batch at ``rcvd_idx - 1`` is being handed out (``_process_data``).
-        step = idx - self._rcvd_idx + self._num_yielded
+        # The step request ``idx`` is handed out at, counted from 0, if no worker ends before then; the batch
+        # at ``rcvd_idx - 1`` is being handed out at step ``_num_yielded`` while ``_process_data`` runs.
+        step = idx - self._rcvd_idx + self._num_yielded + self._handing_out
         # Each worker's last batch before the snapshot taken after step s is among the last ``workers``
         # steps before it; ``(-s - 1) % interval`` is how many steps before it step s is.
-        return any((-s - 1) % interval < workers for s in (step, step + 1))
+        return (-step - 1) % self._snapshot_interval < self._num_workers
 
     def _update_worker_snapshot(self, worker_key: Any, state_dict: Any) -> None:
         self._state_current[worker_key] = True
@@ -81,7 +81,11 @@ class _CheapSnapshotIter(torchdata_loader._StatefulMultiProcessingDataLoaderIter
 
     def _process_data(self, data: Any, worker_id: int, state_dict: Any) -> Any:
         self._state_current[self._worker_key(worker_id)] = False  # (set again if a state came with it)
-        return super()._process_data(data, worker_id, state_dict)
+        self._handing_out = True  # (it requests the next batch first)
+        try:
+            return super()._process_data(data, worker_id, state_dict)
+        finally:
+            self._handing_out = False
 
     def _take_snapshot(self) -> None:
         if all(self._state_current.values()):
