@@ -227,9 +227,9 @@ class WebLoader(DataPipeline, FluidInterface):
     #: taken between two snapshots restores by re-running the batches since the last one, so the interval
     #: bounds a restore's re-run; workers ship their state only with the batches around a snapshot step
     #: (``CheapSnapshotLoader``), so a short interval costs little.
-    snapshot_every_n_steps = 48
+    snapshot_every_n_steps = 32
     #: Steps of the default interval per worker: each worker re-runs at most this many batches.
-    snapshot_steps_per_worker = 24
+    snapshot_steps_per_worker = 16
 
     def __init__(self, *args: Any, **kw: Any):
         given = inspect.signature(StatefulDataLoader).bind(*args, **kw).arguments

@@ -190,7 +190,7 @@ def test_loader_state_right_after_resume(urls, workers) -> None:
 
 
 def test_resume_between_worker_snapshots(urls) -> None:
-    """Workers send their state every ``snapshot_every_n_steps`` batches (48 by default with 2
+    """Workers send their state every ``snapshot_every_n_steps`` batches (32 by default with 2
     workers): a state taken between two snapshots restores by re-running the batches since the last
     one."""
 
@@ -199,10 +199,10 @@ def test_resume_between_worker_snapshots(urls) -> None:
         kw = {} if every is None else {"snapshot_every_n_steps": every}
         return wds.WebLoader(dataset, batch_size=None, num_workers=2, **kw)
 
-    assert make().loader.snapshot_every_n_steps == 48 and make(1).loader.snapshot_every_n_steps == 1
+    assert make().loader.snapshot_every_n_steps == 32 and make(1).loader.snapshot_every_n_steps == 1
     stream, states = states_along(make)
     assert len(stream) == 88
-    for k in (0, 1, 31, 47, 48, 49, 63, 64, 65, 87, 88):
+    for k in (0, 1, 31, 32, 33, 47, 63, 64, 65, 87, 88):
         assert resume(make, states[k], seed=k) == stream[k:], k
     _stream, states = states_along(lambda: make(5), limit=20)
     assert resume(lambda: make(5), states[12]) == stream[12:]
@@ -211,7 +211,7 @@ def test_resume_between_worker_snapshots(urls) -> None:
 @pytest.mark.parametrize(("workers", "prefetch"), [(1, 2), (2, 8), (2, 64), (3, 64)])
 def test_workers_send_their_state_with_few_batches(urls, monkeypatch, workers, prefetch) -> None:
     """A worker ships its state only with its last batch before a snapshot step (``workers``
-    of the ``24 * workers`` steps of the default interval), whatever the ``prefetch_factor``.
+    of the ``16 * workers`` steps of the default interval), whatever the ``prefetch_factor``.
     torchdata asks with every batch requested within ``workers * (prefetch_factor + 1) + 1`` steps
     before a snapshot step: with a prefetch of 64, every batch for any interval under 131 steps."""
     calls = multiprocessing.get_context("fork").Value("i", 0)
@@ -226,16 +226,16 @@ def test_workers_send_their_state_with_few_batches(urls, monkeypatch, workers, p
     # 88 samples, 12 passes (an epoch each): about a thousand batches crossing from the workers.
     dataset = wds.WebDataset(urls, shardshuffle=8, seed=3).to_tuple("__key__").batched(1).repeat(12)
     loader = wds.WebLoader(dataset, batch_size=None, num_workers=workers, prefetch_factor=prefetch)
-    assert loader.loader.snapshot_every_n_steps == max(48, 24 * workers)
+    assert loader.loader.snapshot_every_n_steps == max(32, 16 * workers)
     batches = sum(1 for _ in loader)
     assert batches == 1056
     # (plus the first batch's state for each worker at start and each worker's state at its end)
-    assert calls.value <= batches * workers / max(48, 24 * workers) + 3 * workers
+    assert calls.value <= batches * workers / max(32, 16 * workers) + 3 * workers
 
 
 def test_deep_restore_re_runs_a_bounded_number_of_batches(urls) -> None:
     """With the default settings and a deep prefetch, a state taken at any step restores by re-running
-    fewer than ``24 * workers`` batches, however deep into the epoch (the old default, 1,048 steps
+    fewer than ``16 * workers`` batches, however deep into the epoch (the old default, 1,048 steps
     with 2 workers and a prefetch of 64, re-ran up to 1,047), and exactly."""
 
     def make():
@@ -246,7 +246,7 @@ def test_deep_restore_re_runs_a_bounded_number_of_batches(urls) -> None:
     assert len(stream) == 352
     # (the state before the first batch holds no loader state)
     re_runs = [state["stages"]["0"]["loader"]["_steps_since_snapshot"] for state in states[1:]]
-    assert max(re_runs) < 48 and re_runs[299] == 300 % 48
+    assert max(re_runs) < 32 and re_runs[299] == 300 % 32
     for k in (95, 300, 351):
         assert resume(make, states[k], seed=k) == stream[k:], k
 
@@ -266,7 +266,7 @@ def test_snapshot_skipped_when_a_worker_ends_early(write_shards, corpus_records)
     stream, states = states_along(make)
     assert len(stream) == 112
     re_runs = [state["stages"]["0"]["loader"]["_steps_since_snapshot"] for state in states[1:]]
-    assert max(re_runs) >= 48  # (a snapshot was skipped)
+    assert max(re_runs) >= 32  # (a snapshot was skipped)
     for k in range(28, 72, 3):
         assert resume(make, states[k], seed=k) == stream[k:], k
 
