@@ -252,8 +252,9 @@ class WebLoader(DataPipeline, FluidInterface):
     def snapshot_interval(cls, num_workers: int) -> int:
         """The default ``snapshot_every_n_steps``: ``snapshot_steps_per_worker`` steps per worker, at least
         ``snapshot_every_n_steps``. Whatever the ``prefetch_factor``, a restore from a state taken
-        between two snapshots re-runs at most this many batches (about as many per worker), and
-        each worker ships its state with one batch per interval.
+        between two snapshots re-runs at most this many batches (about as many per worker; more only
+        after a snapshot skipped when a worker ran out of data), and each worker ships its state with
+        one batch per interval.
         """
         return max(cls.snapshot_every_n_steps, cls.snapshot_steps_per_worker * num_workers)
 
