@@ -96,6 +96,14 @@ class _CheapSnapshotIter(torchdata_loader._StatefulMultiProcessingDataLoaderIter
             )
 
 
+#: The torchdata methods ``_CheapSnapshotIter`` hooks into (torchdata 0.10-0.11). Where one is missing, a hook
+#: would silently not run, so the loader keeps torchdata's own iterator.
+_HOOKED = ("_reset", "_process_data", "_take_snapshot", "_update_worker_snapshot", "_try_put_index")
+_HOOKS_FOUND = all(
+    callable(getattr(torchdata_loader._StatefulMultiProcessingDataLoaderIter, name, None)) for name in _HOOKED
+)
+
+
 class CheapSnapshotLoader(StatefulDataLoader):
     """``StatefulDataLoader`` whose workers over an ``IterableDataset`` ship their state with a few
     batches around each snapshot step only, not with every batch within ``num_workers *
@@ -106,6 +114,9 @@ class CheapSnapshotLoader(StatefulDataLoader):
 
     def _get_iterator(self) -> Any:
         if self.num_workers == 0 or not isinstance(self.dataset, IterableDataset) or not self.in_order:
+            return super()._get_iterator()
+        if not _HOOKS_FOUND:
+            logger.warning("this torchdata lacks one of %s: worker states ship as torchdata decides", _HOOKED)
             return super()._get_iterator()
         self.check_worker_number_rationality()
         iterator = _CheapSnapshotIter(self, self.next_iter_state)
