@@ -15,7 +15,6 @@ import warnings
 from typing import Any
 from urllib.parse import urlparse
 
-from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 from webdataset import autodecode
 from webdataset import shardlists as webdataset_shardlists
@@ -27,7 +26,7 @@ from wdsraft import filters, llm
 from wdsraft.core.state import describe
 from wdsraft.pipeline.datapipeline import DataPipeline
 from wdsraft.pipeline.decode import DecodeStage
-from wdsraft.pipeline.loader import DieWithParent, LoaderSource, convert_batch
+from wdsraft.pipeline.loader import CheapSnapshotLoader, DieWithParent, LoaderSource, convert_batch
 from wdsraft.pipeline.shardlists import ResampledShards, SimpleShardList, single_node_only, split_by_worker
 from wdsraft.pipeline.source import TarfileToSamples
 
@@ -240,12 +239,13 @@ class WebLoader(DataPipeline, FluidInterface):
     and theirs.
     """
 
-    #: Least default of ``StatefulDataLoader``'s ``snapshot_every_n_steps`` (torchdata's is 1): gathering
-    #: and shipping each worker's state with every batch cost several percent of an LLM pipeline's
-    #: throughput on small machines; a restore re-runs the batches since the last snapshot.
-    snapshot_every_n_steps = 64
-    #: The default interval keeps worker states to at most one batch in this many (see ``snapshot_interval``).
-    snapshot_sparsity = 8
+    #: Least default of ``StatefulDataLoader``'s ``snapshot_every_n_steps`` (torchdata's is 1). A state
+    #: taken between two snapshots restores by re-running the batches since the last one, so the interval
+    #: bounds a restore's re-run; workers ship their state only with the batches around a snapshot step
+    #: (``CheapSnapshotLoader``), so a short interval costs little.
+    snapshot_every_n_steps = 32
+    #: Steps of the default interval per worker: each worker re-runs at most this many batches.
+    snapshot_steps_per_worker = 16
 
     def __init__(self, *args: Any, **kw: Any):
         given = inspect.signature(StatefulDataLoader).bind(*args, **kw).arguments
@@ -258,32 +258,21 @@ class WebLoader(DataPipeline, FluidInterface):
             else:
                 kw["worker_init_fn"] = wrapped
         if "snapshot_every_n_steps" not in given:
-            kw["snapshot_every_n_steps"] = self.snapshot_interval(
-                given.get("num_workers", 0),
-                given.get("prefetch_factor"),
-                iterable=isinstance(given.get("dataset"), IterableDataset),
-            )
+            kw["snapshot_every_n_steps"] = self.snapshot_interval(given.get("num_workers", 0))
         with warnings.catch_warnings():  # torchdata 0.11 calls a deprecated torch API on every construction
             warnings.filterwarnings("ignore", message=".*set_vital.*is deprecated")
-            loader = StatefulDataLoader(*args, **kw)
+            loader = CheapSnapshotLoader(*args, **kw)
         super().__init__(LoaderSource(loader))
 
     @classmethod
-    def snapshot_interval(cls, num_workers: int, prefetch_factor: int | None, iterable: bool = True) -> int:
-        """The default ``snapshot_every_n_steps``: at least ``snapshot_every_n_steps``, and long enough
-        that at most one batch in ``snapshot_sparsity`` carries a worker's state.
-
-        For an ``IterableDataset`` torchdata cannot tell which worker's batch will be handed out at a
-        snapshot step, so it asks for the state with every batch requested within
-        ``num_workers * (prefetch_factor + 1) + 1`` steps before one: with a deep prefetch (64 batches
-        per worker) and a 64-step interval that was every batch. A map-style dataset's window is
-        ``num_workers`` steps.
+    def snapshot_interval(cls, num_workers: int) -> int:
+        """The default ``snapshot_every_n_steps``: ``snapshot_steps_per_worker`` steps per worker, at least
+        ``snapshot_every_n_steps``. Whatever the ``prefetch_factor``, a restore from a state taken
+        between two snapshots re-runs at most this many batches (about as many per worker; more only
+        after a snapshot skipped when a worker ran out of data), and each worker ships its state with
+        one batch per interval.
         """
-        if num_workers <= 0:
-            return cls.snapshot_every_n_steps
-        prefetch = 2 if prefetch_factor is None else prefetch_factor
-        window = num_workers * (prefetch + 1) + 1 if iterable else num_workers
-        return max(cls.snapshot_every_n_steps, cls.snapshot_sparsity * window)
+        return max(cls.snapshot_every_n_steps, cls.snapshot_steps_per_worker * num_workers)
 
     @property
     def loader(self) -> StatefulDataLoader:

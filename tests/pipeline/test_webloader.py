@@ -4,6 +4,7 @@ and webdataset's own README examples running unchanged with ``import wdsraft as 
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import multiprocessing
 import os
@@ -189,29 +190,30 @@ def test_loader_state_right_after_resume(urls, workers) -> None:
 
 
 def test_resume_between_worker_snapshots(urls) -> None:
-    """Workers send their state every ``snapshot_every_n_steps`` batches (64 by default): a state
-    taken between two snapshots restores by re-running the batches since the last one."""
+    """Workers send their state every ``snapshot_every_n_steps`` batches (32 by default with 2
+    workers): a state taken between two snapshots restores by re-running the batches since the last
+    one."""
 
     def make(every: int | None = None):
         dataset = wds.WebDataset(urls, shardshuffle=8, seed=3).shuffle(5, seed=4).to_tuple("__key__").batched(1)
         kw = {} if every is None else {"snapshot_every_n_steps": every}
         return wds.WebLoader(dataset, batch_size=None, num_workers=2, **kw)
 
-    assert make().loader.snapshot_every_n_steps == 64 and make(1).loader.snapshot_every_n_steps == 1
+    assert make().loader.snapshot_every_n_steps == 32 and make(1).loader.snapshot_every_n_steps == 1
     stream, states = states_along(make)
     assert len(stream) == 88
-    for k in (0, 1, 31, 63, 64, 65, 66, 87, 88):
+    for k in (0, 1, 31, 32, 33, 47, 63, 64, 65, 87, 88):
         assert resume(make, states[k], seed=k) == stream[k:], k
     _stream, states = states_along(lambda: make(5), limit=20)
     assert resume(lambda: make(5), states[12]) == stream[12:]
 
 
-@pytest.mark.parametrize(("prefetch", "every"), [(8, None), (16, None), (16, 64), (64, 64)])
-def test_workers_send_their_state_with_few_batches(urls, monkeypatch, prefetch, every) -> None:
-    """torchdata asks a worker for its state with every batch requested within
-    ``workers * (prefetch_factor + 1) + 1`` steps before a snapshot step; the default interval keeps
-    that to one batch in 8. A 64-step interval (the old default) asked with half of the batches at a
-    prefetch of 16, with every batch at 64."""
+@pytest.mark.parametrize(("workers", "prefetch"), [(1, 2), (2, 8), (2, 64), (3, 64)])
+def test_workers_send_their_state_with_few_batches(urls, monkeypatch, workers, prefetch) -> None:
+    """A worker ships its state only with its last batch before a snapshot step (``workers``
+    of the ``16 * workers`` steps of the default interval), whatever the ``prefetch_factor``.
+    torchdata asks with every batch requested within ``workers * (prefetch_factor + 1) + 1`` steps
+    before a snapshot step: with a prefetch of 64, every batch for any interval under 131 steps."""
     calls = multiprocessing.get_context("fork").Value("i", 0)
     original = wds.pipeline.DataPipeline.state_dict
 
@@ -221,18 +223,70 @@ def test_workers_send_their_state_with_few_batches(urls, monkeypatch, prefetch, 
         return original(self)
 
     monkeypatch.setattr(wds.pipeline.DataPipeline, "state_dict", counted)  # (forked workers inherit it)
-    # 88 samples, 12 passes (an epoch each): about a thousand batches crossing from 2 workers.
+    # 88 samples, 12 passes (an epoch each): about a thousand batches crossing from the workers.
     dataset = wds.WebDataset(urls, shardshuffle=8, seed=3).to_tuple("__key__").batched(1).repeat(12)
-    kw = {} if every is None else {"snapshot_every_n_steps": every}
-    loader = wds.WebLoader(dataset, batch_size=None, num_workers=2, prefetch_factor=prefetch, **kw)
-    window = 2 * (prefetch + 1) + 1
-    assert loader.loader.snapshot_every_n_steps == (every or max(64, 8 * window))
+    loader = wds.WebLoader(dataset, batch_size=None, num_workers=workers, prefetch_factor=prefetch)
+    assert loader.loader.snapshot_every_n_steps == max(32, 16 * workers)
     batches = sum(1 for _ in loader)
     assert batches == 1056
-    if every is None:
-        assert calls.value <= batches / 8 + 2 * 2  # (and each worker's state at its end)
-    else:
-        assert calls.value >= batches * min(1.0, window / every) * 0.9
+    # (plus the first batch's state for each worker at start and each worker's state at its end)
+    assert calls.value <= batches * workers / max(32, 16 * workers) + 3 * workers
+
+
+def test_deep_restore_re_runs_a_bounded_number_of_batches(urls) -> None:
+    """With the default settings and a deep prefetch, a state taken at any step restores by re-running
+    fewer than ``16 * workers`` batches, however deep into the epoch (the old default, 1,048 steps
+    with 2 workers and a prefetch of 64, re-ran up to 1,047), and exactly."""
+
+    def make():
+        dataset = wds.WebDataset(urls, shardshuffle=8, seed=3).shuffle(5, seed=4).to_tuple("__key__").batched(1)
+        return wds.WebLoader(dataset.repeat(4), batch_size=None, num_workers=2, prefetch_factor=64)
+
+    stream, states = states_along(make)
+    assert len(stream) == 352
+    # (the state before the first batch holds no loader state)
+    re_runs = [state["stages"]["0"]["loader"]["_steps_since_snapshot"] for state in states[1:]]
+    assert max(re_runs) < 32 and re_runs[299] == 300 % 32
+    for k in (95, 300, 351):
+        assert resume(make, states[k], seed=k) == stream[k:], k
+
+
+def test_snapshot_skipped_when_a_worker_ends_early(write_shards, corpus_records) -> None:
+    """A worker that runs out of data early (12 samples against 100) shifts the steps at which the
+    batches already requested from the other one are handed out, so the batches that ship a state
+    are not all the last ones before a snapshot step: such a snapshot is skipped rather than taken
+    with a worker's older state. States taken at every step around it resume exactly."""
+    samples = [{"txt": r["text"][:20]} for r in corpus_records[:112]]
+    urls = [*write_shards("short", samples[:12], 12), *write_shards("long", samples[12:], 100)]
+
+    def make():
+        dataset = wds.WebDataset(urls, shardshuffle=False).to_tuple("__key__").batched(1)
+        return wds.WebLoader(dataset, batch_size=None, num_workers=2, prefetch_factor=16)
+
+    stream, states = states_along(make)
+    assert len(stream) == 112
+    re_runs = [state["stages"]["0"]["loader"]["_steps_since_snapshot"] for state in states[1:]]
+    assert max(re_runs) >= 32  # (a snapshot was skipped)
+    for k in range(28, 72, 3):
+        assert resume(make, states[k], seed=k) == stream[k:], k
+
+
+def test_dropped_iterator_stops_its_workers_at_once(urls) -> None:
+    """An iterator dropped mid-epoch is freed at once (nothing of wdsraft's holds it in a reference
+    cycle), which shuts its workers down, without waiting for a garbage collection that may run in
+    a forked worker instead."""
+    loader = wds.WebLoader(wds.WebDataset(urls, shardshuffle=False).to_tuple("__key__"), batch_size=None, num_workers=2)
+    inner = loader.loader
+    gc.disable()
+    try:
+        iterator = iter(inner)
+        next(iterator)
+        workers = list(iterator._workers)
+        del iterator
+        inner._iterator = None
+        assert not any(worker.is_alive() for worker in workers)
+    finally:
+        gc.enable()
 
 
 @pytest.mark.parametrize("main_stages", [False, True])

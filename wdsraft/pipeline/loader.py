@@ -4,18 +4,124 @@ batches the dataset already formed, with a hook for formats that cross from work
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from torch.utils.data import default_convert, get_worker_info
+from torch.utils.data import IterableDataset, default_convert, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader import stateful_dataloader as torchdata_loader
 
 from wdsraft.core.state import describe
 from wdsraft.pipeline.addresses import Address
 from wdsraft.pipeline.stage import Context, SourceStage, Stage, quiet_states
+
+logger = logging.getLogger(__name__)
+
+
+class _SnapshotFlags:
+    """An index queue of a DataLoader worker that asks the worker for its state only with the batches
+    that can be its last one before a snapshot step.
+
+    torchdata asks for the state with every batch requested within ``num_workers * (prefetch_factor +
+    1) + 1`` steps before a snapshot step, because a worker that runs out of data shifts the steps at
+    which the batches requested after it are handed out. Without such a shift, request ``i`` is handed
+    out ``i - rcvd_idx`` steps after the next one, so only the requests that land in the last
+    ``num_workers`` steps before a snapshot step are flagged. A shift that makes a
+    worker's last batch before a snapshot step one without a state is caught there, and that snapshot
+    is skipped (``_CheapSnapshotIter._take_snapshot``): never a wrong state, at worst a longer re-run.
+    """
+
+    def __init__(self, queue: Any, iterator: _CheapSnapshotIter):
+        self.queue = queue
+        # (weak: an iterator dropped mid-epoch must still be freed at once, which shuts its workers down)
+        self.iterator = weakref.ref(iterator)
+
+    def put(self, item: Any, *args: Any, **kw: Any) -> None:
+        if type(item) is tuple and len(item) == 2 and type(item[1]) is tuple and len(item[1]) == 2:
+            idx, (index, snapshot) = item
+            iterator = self.iterator()
+            if snapshot and iterator is not None and not iterator.wants_state(idx):
+                item = (idx, (index, False))
+        self.queue.put(item, *args, **kw)
+
+    def __getattr__(self, name: str) -> Any:  # (close, cancel_join_thread...: the queue's own)
+        return getattr(self.queue, name)
+
+
+class _CheapSnapshotIter(torchdata_loader._StatefulMultiProcessingDataLoaderIter):
+    """torchdata's multi-worker iterator, with worker states shipped only around snapshot steps
+    (``_SnapshotFlags``) and a snapshot skipped unless every worker's latest state is from the last
+    batch it handed out (or from its end)."""
+
+    _index_queues: list[Any]
+
+    def _reset(self, loader: Any, first_iter: bool = False, prime_prefetch: bool = True) -> None:
+        if not all(isinstance(queue, _SnapshotFlags) for queue in self._index_queues):
+            self._index_queues = [_SnapshotFlags(queue, self) for queue in self._index_queues]
+        self._state_current: dict[Any, bool] = {}  # worker key -> its state is from its last batch
+        self._handing_out = False
+        super()._reset(loader, first_iter, prime_prefetch)
+
+    def wants_state(self, idx: int) -> bool:
+        # The step request ``idx`` is handed out at, counted from 0, if no worker ends before then; the batch
+        # at ``rcvd_idx - 1`` is being handed out at step ``_num_yielded`` while ``_process_data`` runs.
+        step = idx - self._rcvd_idx + self._num_yielded + self._handing_out
+        # Each worker's last batch before the snapshot taken after step s is among the last ``workers``
+        # steps before it; ``(-s - 1) % interval`` is how many steps before it step s is.
+        return (-step - 1) % self._snapshot_interval < self._num_workers
+
+    def _update_worker_snapshot(self, worker_key: Any, state_dict: Any) -> None:
+        self._state_current[worker_key] = True
+        super()._update_worker_snapshot(worker_key, state_dict)
+
+    def _process_data(self, data: Any, worker_id: int, state_dict: Any) -> Any:
+        self._state_current[self._worker_key(worker_id)] = False  # (set again if a state came with it)
+        self._handing_out = True  # (it requests the next batch first)
+        try:
+            return super()._process_data(data, worker_id, state_dict)
+        finally:
+            self._handing_out = False
+
+    def _take_snapshot(self) -> None:
+        if all(self._state_current.values()):
+            super()._take_snapshot()
+        else:
+            logger.debug(
+                "snapshot at step %d skipped: a worker's state is older than its last batch", self._num_yielded
+            )
+
+
+#: The torchdata methods ``_CheapSnapshotIter`` hooks into (torchdata 0.10-0.11). Where one is missing, a hook
+#: would silently not run, so the loader keeps torchdata's own iterator.
+_HOOKED = ("_reset", "_process_data", "_take_snapshot", "_update_worker_snapshot", "_try_put_index")
+_HOOKS_FOUND = all(
+    callable(getattr(torchdata_loader._StatefulMultiProcessingDataLoaderIter, name, None)) for name in _HOOKED
+)
+
+
+class CheapSnapshotLoader(StatefulDataLoader):
+    """``StatefulDataLoader`` whose workers over an ``IterableDataset`` ship their state with a few
+    batches around each snapshot step only, not with every batch within ``num_workers *
+    (prefetch_factor + 1) + 1`` steps before one. That makes a short snapshot interval cheap, and a
+    short interval bounds the re-run after restoring a state taken between two snapshots."""
+
+    next_iter_state: Any
+
+    def _get_iterator(self) -> Any:
+        if self.num_workers == 0 or not isinstance(self.dataset, IterableDataset) or not self.in_order:
+            return super()._get_iterator()
+        if not _HOOKS_FOUND:
+            logger.warning("this torchdata lacks one of %s: worker states ship as torchdata decides", _HOOKED)
+            return super()._get_iterator()
+        self.check_worker_number_rationality()
+        iterator = _CheapSnapshotIter(self, self.next_iter_state)
+        self.next_iter_state = None
+        return iterator
 
 
 class LoaderSource(SourceStage):
