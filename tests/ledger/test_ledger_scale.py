@@ -232,6 +232,7 @@ try:
     consumed = ledger._skip_set(0, mark["lineage"], mark["steps"])
 except StateMismatchError as exn:
     print(json.dumps({"refused": str(exn)}))
+    dist.destroy_process_group()  # (exiting with the group alive can abort in gloo's threads: SIGABRT)
     sys.exit(0)
 print(json.dumps({"pairs": sorted([s, o] for s, b in consumed.samples.items() for o in b), "reads": len(reads),
                   "index_reads": len(index_reads), "shards": sorted(ledger._identities.recorded)}))
