@@ -114,6 +114,18 @@ def _name(function: Any) -> str:
     return getattr(inner, "__name__", type(inner).__name__)
 
 
+_END = object()  # what _next_heard returns once the items are exhausted
+
+
+def _next_heard(items: Iterator[Any], locator: _Locator) -> Any:
+    """The next item, with the locator hearing the tar members read to make it (``_END`` at the end)."""
+    previous = listen_to_members(locator)
+    try:
+        return next(items, _END)
+    finally:
+        listen_to_members(previous)
+
+
 class _Locator:
     """Matches the samples a grouper yields to the members ``tar_file_expander`` handed out before."""
 
@@ -220,14 +232,7 @@ class ClientReader(SourceStage):
         locator = _Locator()
         skip_before = (resume["shards_started"], resume["offset"]) if resume and not resume["done"] else None
         items = self.invoke(self.function, self._feed(locator, src, resume))
-        while True:
-            previous = listen_to_members(locator)
-            try:
-                sample = next(items)
-            except StopIteration:
-                return
-            finally:
-                listen_to_members(previous)
+        while (sample := _next_heard(items, locator)) is not _END:
             where, after = locator.locate(sample)
             if where is None:
                 self._lose(
@@ -275,14 +280,7 @@ class ClientReader(SourceStage):
         first = pending[0]
         items = self.invoke(self.function, iter([{"url": url, "offset": first}]))
         try:
-            while pending:
-                previous = listen_to_members(locator)
-                try:
-                    sample = next(items)
-                except StopIteration:
-                    break
-                finally:
-                    listen_to_members(previous)
+            while pending and (sample := _next_heard(items, locator)) is not _END:
                 where, _ = locator.locate(sample)
                 if where is None:
                     break
