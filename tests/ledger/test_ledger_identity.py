@@ -192,3 +192,13 @@ def test_resume_names_what_it_was_given_instead_of_a_ledger_checkpoint(tmp_path:
         LedgerError, match=r"resume\(\) takes what Ledger.checkpoint\(\) returned .*\['data', 'model'\]"
     ):
         ledger.resume(_loader(["x.tar"], 1, 2), {"model": {}, "data": {}})  # the whole training checkpoint
+
+
+def test_the_identity_of_a_pipe_shard_runs_no_command(tmp_path) -> None:
+    """Identities come from the index beside a shard; for a ``pipe:`` shard there is none to look up, and the
+    command with ".idx" appended must not run (it could download a whole shard, or worse)."""
+    from wdsraft.ledger.identity import identity_of
+
+    marker = tmp_path / "ran"
+    assert identity_of(f"pipe:touch {marker}") is None
+    assert not (tmp_path / "ran.idx").exists()

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from wdsraft.core.errors import IndexFormatError, StateMismatchError
+from wdsraft.core.errors import StateMismatchError
 from wdsraft.index.shard_index import ShardIndex
 
 logger = logging.getLogger(__name__)
@@ -24,14 +24,12 @@ Identity = dict[str, Any]  # {"sha256": str | None, "samples": int, "size": int}
 
 def identity_of(url: str) -> Identity | None:
     """A shard's identity from its index, or None where it has no readable index (not checked then)."""
+    # ``beside`` as the readers use it: no lookup for pipe:/HTTP shards (a pipe: command with ".idx"
+    # appended would run), None for a missing index, a torn one logged and ignored.
     try:
-        index = ShardIndex.load(url)
-    except (IndexFormatError, FileNotFoundError) as exn:
-        logger.debug("no dataset identity for %s: %s", url, exn)
-        return None
+        index = ShardIndex.beside(url)
     except Exception as exn:  # (S3 clients raise their own kinds) the shard is then not checked: say so
-        missing = any(mark in str(exn) for mark in ("NoSuchKey", "404", "Not Found"))
-        if missing or _warned_once.is_set():
+        if _warned_once.is_set():
             logger.debug("no dataset identity for %s: %s", url, exn)
         else:
             _warned_once.set()
@@ -41,6 +39,9 @@ def identity_of(url: str) -> Identity | None:
                 url,
                 exn,
             )
+        return None
+    if index is None:
+        logger.debug("no dataset identity for %s: no index beside it", url)
         return None
     return {"sha256": index.sha256, "samples": index.num_samples, "size": index.size}
 
