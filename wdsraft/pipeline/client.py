@@ -133,6 +133,7 @@ class _Locator:
         self.shard = 0  # number of the shard being fed (members belong to it: shards are read in turn)
         self.members: deque[tuple[int, str, str, int]] = deque(maxlen=_HISTORY)  # (shard, url, name, offset)
         self.ended: set[int] = set()
+        self.skipped = False  # whether the last sample located came after members of no sample yet
 
     def member(self, url: str, name: str, offset: int) -> None:
         self.members.append((self.shard, url, name, offset))
@@ -152,6 +153,10 @@ class _Locator:
         start = next((i for i, m in enumerate(members) if m[1] == url and m[2].startswith(prefix)), None)
         if start is None:
             return None, None
+        # Members before the sample's own were read but not handed out with it: a reader that drops or
+        # reorders samples (an internal shuffle) may hand them out later, so "resume after this sample"
+        # would lose them. Such a reader is not resumable (marked by the caller), never guessed.
+        self.skipped = start > 0
         shard, _, name, offset = members[start]
         # The sample's members: those of its key that follow, until a suffix repeats (a grouper that does
         # not raise on duplicates starts a new sample there, as CLIP-style ones do).
@@ -234,6 +239,11 @@ class ClientReader(SourceStage):
         items = self.invoke(self.function, self._feed(locator, src, resume))
         while (sample := _next_heard(items, locator)) is not _END:
             where, after = locator.locate(sample)
+            if locator.skipped:
+                self._lose(
+                    "it handed out a sample after tar members that were in no sample yet (a reader that drops "
+                    "or reorders samples: resuming after this one could lose them)"
+                )
             if where is None:
                 self._lose(
                     "its samples' positions are unknown (no __key__/__url__, or members not read by "
