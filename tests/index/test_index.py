@@ -325,3 +325,19 @@ def test_gopen_rewrite_is_applied_once(tmp_path: Path, monkeypatch) -> None:
     url = f"{tmp_path}/s-00.tar"
     assert wdsraft.ShardIndex.load(url).num_samples == 3
     assert [s["__key__"] for s in wdsraft.ShardSampleReader(url)] == ["0", "1", "2"]
+
+
+def test_an_index_that_cannot_be_read_is_no_missing_index_whatever_the_shard_is_called(monkeypatch) -> None:
+    """Only a missing index reads as "no index": an index refused (403) for a shard whose name holds "404"
+    raises, rather than the shard being read unchecked (messages used to be matched, URL included)."""
+    from wdsraft.core.errors import RemoteAccessDeniedError
+    from wdsraft.index import shard_index
+
+    url = "s3://bucket/train/shard-000404.tar"
+
+    def refused(index_url, mode="rb"):
+        raise RemoteAccessDeniedError(index_url, 0, "access denied (403 AccessDenied)", 403)
+
+    monkeypatch.setattr(shard_index, "gopen", refused)
+    with pytest.raises(RemoteAccessDeniedError):
+        shard_index.ShardIndex.beside(url)

@@ -156,12 +156,8 @@ class ShardIndex:
         try:
             with gopen(index_url, "rb") as stream:
                 raw = stream.read()
-        except FileNotFoundError:
-            return None
-        except OSError as exn:  # (smart_open reports a missing S3 object as an OSError naming the key)
-            if "NoSuchKey" in str(exn) or "404" in str(exn) or "not found" in str(exn).lower():
-                return None
-            raise
+        except FileNotFoundError:  # (a missing S3 object is a RemoteNotFoundError, a FileNotFoundError:
+            return None  # no matching on messages, which name the URL: a shard-000404.tar's 403 is no 404)
         try:
             return cls.from_bytes(raw, index_url)
         except IndexFormatError as exn:
