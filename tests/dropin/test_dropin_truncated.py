@@ -1,9 +1,11 @@
-"""A truncated gzip shard read with a continuing handler (issue 14, item 2) yields what webdataset yields:
-the members decompressed before the cut are not lost with the read that met it."""
+"""A truncated gzip or xz shard read with a continuing handler (issue 14, item 2) yields what webdataset
+yields: the members decompressed before the cut are not lost with the read that met it. (bz2 differs at
+some cuts: docs/dropin.md lists it.)"""
 
 from __future__ import annotations
 
 import gzip
+import lzma
 import os
 
 import pytest
@@ -14,13 +16,13 @@ import wdsraft as wds
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
-@pytest.fixture(scope="module")
-def gz_shard(tmp_path_factory) -> bytes:
-    directory = tmp_path_factory.mktemp("gz")
+@pytest.fixture(scope="module", params=[gzip.compress, lzma.compress], ids=["gzip", "xz"])
+def gz_shard(tmp_path_factory, request) -> bytes:
+    directory = tmp_path_factory.mktemp("compressed")
     with wds.TarWriter(str(directory / "s.tar")) as sink:
         for n in range(40):
             sink.write({"__key__": f"{n:05d}", "bin": os.urandom(3000 + 37 * n), "txt": str(n)})
-    return gzip.compress((directory / "s.tar").read_bytes())
+    return request.param((directory / "s.tar").read_bytes())
 
 
 CUTS = (0.13, 0.31, 0.5, 0.77, 0.9, 0.97)
@@ -33,7 +35,7 @@ CUTS = (0.13, 0.31, 0.5, 0.77, 0.9, 0.97)
 )
 def test_a_truncated_gzip_shard_yields_what_webdataset_yields(gz_shard, tmp_path, handler, cuts) -> None:
     for fraction in cuts:
-        path = tmp_path / f"cut-{fraction}.tar.gz"
+        path = tmp_path / f"cut-{fraction}.tar"  # (compression is recognised by content)
         path.write_bytes(gz_shard[: int(len(gz_shard) * fraction)])
 
         def keys(lib, path=path):
