@@ -220,3 +220,38 @@ def test_an_elastic_resume_opens_no_consumed_shard_and_reads_nothing_consumed(
         delivered.update(_pairs(batch))
     every = {(url, ordinal) for url in ledger_shards for ordinal in range(16 if url == part else 4)}
     assert set(delivered) == every and max(delivered.values()) == 1
+
+
+def test_an_elastic_resume_opens_a_compressed_shard_once_however_scattered_its_consumed_samples(
+    tmp_path: Path, opened_files
+) -> None:
+    """A gzip shard cannot seek: reading each run of unconsumed samples from its own offset would decompress
+    the shard from its start once per run. After a shuffled first run (consumed samples scattered), the
+    elastic resume opens it once and delivers exactly what the first run did not."""
+    import gzip
+
+    plain = _write_shard(tmp_path / "plain.tar", 40)
+    url = str(tmp_path / "shard.tar")
+    Path(url).write_bytes(gzip.compress(Path(plain).read_bytes()))
+    wds.build_index(url).save(url)
+    path = str(tmp_path / "ledger")
+
+    def loader(batch: int):
+        dataset = wds.WebDataset([url], shardshuffle=False).shuffle(10, seed=1).batched(batch)
+        return wds.WebLoader(dataset, batch_size=None)
+
+    first, run = wds.Ledger(path, run="first", rank=0, world_size=1), loader(4)
+    delivered: Counter = Counter()
+    for step, batch in enumerate(first.track(run), 1):
+        delivered.update(_pairs(batch))
+        if step == 3:
+            saved = first.checkpoint(run, step)
+            break
+    consumed = {ordinal for _, ordinal in delivered}
+    assert len(consumed) == 12 and consumed != set(range(12))  # scattered by the shuffle
+    second, again = wds.Ledger(path, run="second", rank=0, world_size=1), loader(5)
+    with opened_files as opened:
+        assert second.resume(again, saved) == "elastic"
+        rest = [pair for batch in second.track(again) for pair in _pairs(batch)]
+    assert sorted(o for _, o in rest) == sorted(set(range(40)) - consumed)
+    assert [p for p in opened if p == url] == [url]  # one open, not one per run of unconsumed samples

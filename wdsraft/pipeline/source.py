@@ -182,8 +182,10 @@ class TarfileToSamples(SourceStage):
         if consumed is None:
             yield self._marking(ctx, url, self._reader(url, offset, ordinal, index))
             return
-        if index is None:  # no index: read everything and drop what was consumed
-            yield _Filtered(self._marking(ctx, url, self._reader(url, offset, ordinal, None)), consumed)
+        if index is None or index.compression is not None:
+            # No index, or a compressed shard (a reader per run would decompress it from the start for
+            # each run): one reader over the rest of the shard, dropping what was consumed.
+            yield _Filtered(self._marking(ctx, url, self._reader(url, offset, ordinal, index)), consumed)
             return
         offsets = index.offsets
         run_start = ordinal

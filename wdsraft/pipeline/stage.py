@@ -218,10 +218,6 @@ class _Local(threading.local):
 _local = _Local()
 
 
-def active_context() -> Context | None:
-    return _local.context
-
-
 def set_active_context(ctx: Context | None) -> Context | None:
     """Make ``ctx`` the pass being pulled on this thread; returns the one before (to put back)."""
     previous, _local.context = _local.context, ctx
