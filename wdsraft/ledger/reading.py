@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from wdsraft.io.ranged import split_s3_url
 from wdsraft.io.s3 import list_objects, s3_endpoint_url
 from wdsraft.io.storage import local_path
 
@@ -47,13 +48,9 @@ def _make_client(pid: int, endpoint_url: str | None, pool: int) -> Any:
     import boto3
     from botocore.config import Config
 
-    config = Config(max_pool_connections=pool, retries={"max_attempts": ATTEMPTS, "mode": "standard"})
+    # (boto3 retries nothing here: read_bytes retries the whole GET, body included, ATTEMPTS times in all)
+    config = Config(max_pool_connections=pool, retries={"total_max_attempts": 1, "mode": "standard"})
     return boto3.session.Session().client("s3", endpoint_url=endpoint_url, config=config)
-
-
-def _s3_parts(url: str) -> tuple[str, str]:
-    bucket, _, key = url.removeprefix("s3://").partition("/")
-    return bucket, key
 
 
 def _missing(exn: BaseException) -> bool:
@@ -67,12 +64,12 @@ def read_bytes(url: str) -> bytes:
     """One object's bytes (a local file, or an S3 object in one GET), retried on transient failures;
     a missing object raises ``FileNotFoundError`` naming it."""
     path = local_path(url)
-    for attempt in range(ATTEMPTS):
+    for attempt in range(ATTEMPTS):  # (shared filesystems fail transiently too: local reads are retried)
         try:
             if path is not None:
                 with open(path, "rb") as stream:
                     return stream.read()
-            bucket, key = _s3_parts(url)
+            bucket, key = split_s3_url(url)
             response = _client(os.getpid(), s3_endpoint_url(), CONCURRENCY).get_object(Bucket=bucket, Key=key)
             return bytes(response["Body"].read())
         except Exception as exn:
@@ -144,7 +141,7 @@ def _list(path: str, run: str | None) -> list[str]:
             if name.startswith("run-") and os.path.isdir(directory):
                 found += [os.path.join(directory, f) for f in sorted(os.listdir(directory)) if f.endswith(RANK_SUFFIX)]
         return found
-    bucket, prefix = _s3_parts(path)
+    bucket, prefix = split_s3_url(path)
     # (a ledger at the bucket's root lists the whole bucket: Prefix="/" would list nothing)
     base = prefix.rstrip("/") + "/" if prefix else ""
     if run is not None:
