@@ -21,6 +21,7 @@ Use it on any ``DataPipeline`` (``WebDataset``, ``WebLoader``, ``DataPipeline`` 
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import random
@@ -38,16 +39,56 @@ CARRIERS = ("msgpack", "json", "torch")
 
 
 def identity(item: Any) -> Any:
-    """A comparable identity for samples (their ``__key__``), tuples, tensors and batches."""
+    """A comparable identity for samples, tuples, tensors and batches.
+
+    A sample (a dict with ``__key__``) is its key and a digest of its contents (every field but the
+    ``__``-prefixed metadata), so a stream that hands out the right keys with altered payloads (a
+    field cut short, another sample's bytes under this key) compares unequal."""
     if isinstance(item, dict):
         if "__key__" in item:
-            return item["__key__"]
+            return (item["__key__"], _content_digest(item))
         return tuple((key, identity(value)) for key, value in sorted(item.items()))
     if isinstance(item, (torch.Tensor, np.ndarray)):
         return identity(item.tolist())
     if isinstance(item, (list, tuple)):
         return tuple(identity(x) for x in item)
     return item
+
+
+def _content_digest(sample: dict[str, Any]) -> str:
+    digest = hashlib.blake2b(digest_size=8)
+    for name in sorted(sample):
+        if not name.startswith("__"):
+            digest.update(name.encode() + b"\0")
+            _feed(digest, sample[name])
+    return digest.hexdigest()
+
+
+def _feed(digest: Any, value: Any) -> None:
+    """Feed a field's value to ``digest``: bytes as they are, arrays by dtype, shape and bytes, containers
+    element by element, anything else (decoded images included) by type and ``repr``/``tobytes``."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        digest.update(b"b%d:" % len(value) + bytes(value))
+    elif isinstance(value, str):
+        _feed(digest, value.encode())
+    elif isinstance(value, torch.Tensor):
+        _feed(digest, value.detach().cpu().numpy())
+    elif isinstance(value, np.ndarray):
+        digest.update(f"a{value.dtype}{value.shape}:".encode() + np.ascontiguousarray(value).tobytes())
+    elif isinstance(value, dict):
+        digest.update(b"d%d:" % len(value))
+        for key in sorted(value, key=repr):
+            _feed(digest, repr(key))
+            _feed(digest, value[key])
+    elif isinstance(value, (list, tuple)):
+        digest.update(b"l%d:" % len(value))
+        for element in value:
+            _feed(digest, element)
+    elif callable(getattr(value, "tobytes", None)):  # (a PIL image, a numpy scalar)
+        digest.update(f"{type(value).__name__}:".encode())
+        _feed(digest, value.tobytes())
+    else:
+        digest.update(f"{type(value).__name__}:{value!r}".encode())
 
 
 def roundtrip(state: dict[str, Any], how: str) -> dict[str, Any]:
