@@ -345,3 +345,25 @@ def test_stage_arguments_are_part_of_the_fingerprint(urls, change) -> None:
     with pytest.raises(wds.StateMismatchError, match="different pipeline configuration"):
         other.load_state_dict(states[-1])
         list(other)
+
+
+# -- the oracle itself -----------------------------------------------------------------------------
+
+
+def test_the_oracle_fails_a_resume_that_alters_payloads_under_the_right_keys(urls) -> None:
+    """A restored pipeline whose samples keep their keys but carry other bytes must fail the oracle."""
+    restored = {"now": False}
+
+    def make():
+        def alter(sample):
+            if restored["now"]:
+                sample = {**sample, "txt": sample["txt"][:-1]}  # a payload cut by one byte
+            return sample
+
+        return wds.WebDataset(urls, shardshuffle=False).map(alter)
+
+    stream, states = states_along(make)
+    assert resume(make, states[3]) == stream[3:]
+    restored["now"] = True
+    with pytest.raises(AssertionError):
+        assert resume(make, states[3]) == stream[3:]
