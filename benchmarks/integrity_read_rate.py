@@ -1,6 +1,6 @@
 """Read rate of a local shard set with and without the index checks (not a test; run by hand).
 
-    python scripts/integrity_read_rate.py [--samples 20000] [--shards 4] [--repeat 3]
+    python benchmarks/integrity_read_rate.py [--samples 20000] [--shards 4] [--repeat 3]
 
 Writes small-sample shards (the reader's hardest case: per-sample work dominates) to a temporary
 directory, then reads them all with ShardSampleReader three ways: index=None (no checks, as before
