@@ -111,6 +111,8 @@ class WebDataset(DataPipeline, FluidInterface):
     every epoch (epoch 0 is webdataset's); ``reshuffle_each_epoch=False`` keeps
     webdataset's same-order-every-epoch behaviour. Shards with an index are checked against
     it as they are read; ``verify=True`` also checks each sample's CRC-32 (see ``ShardSampleReader``).
+    ``n_active_shards=k`` reads k of each worker's shards at once, a sample from each in turn (k open
+    streams per worker; see docs/reading-and-writing.md, "Several shards at once").
     """
 
     def __init__(
@@ -134,6 +136,7 @@ class WebDataset(DataPipeline, FluidInterface):
         seed: Any = None,
         reshuffle_each_epoch: bool = True,
         verify: bool = False,
+        n_active_shards: int = 1,
     ):
         super().__init__()
         if resampled:
@@ -169,7 +172,12 @@ class WebDataset(DataPipeline, FluidInterface):
             self.append(self.shard_shuffle)
         self.append(
             TarfileToSamples(
-                handler=handler, select_files=select_files, rename_files=rename_files, local_path=True, verify=verify
+                handler=handler,
+                select_files=select_files,
+                rename_files=rename_files,
+                local_path=True,
+                verify=verify,
+                n_active_shards=n_active_shards,
             )
         )
         if empty_check:
