@@ -87,7 +87,7 @@ from wdsraft.llm.tokenize_stage import tokenize
 from wdsraft.llm.tokenizers import as_tokenizer
 from wdsraft.mix import RandomMix, RoundRobin
 from wdsraft.pipeline import DataPipeline, Stage
-from wdsraft.pipeline.ends import until_all_ranks_end
+from wdsraft.pipeline.ends import EvenEnds, even_ends, until_all_ranks_end
 from wdsraft.shardlists import (
     MultiShardSample,
     ResampledShards,
@@ -199,6 +199,8 @@ __all__ = [
     "unbatched",
     "unlisted",
     "until_all_ranks_end",
+    "EvenEnds",
+    "even_ends",
     "utils",
     "warn_and_continue",
     "warn_and_stop",
