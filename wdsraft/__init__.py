@@ -49,6 +49,7 @@ from wdsraft.core.errors import (
     TarFormatError,
 )
 from wdsraft.core.fields import Position
+from wdsraft.evaluation import EvalDataset
 from wdsraft.filters import (
     Cached,
     LMDBCached,
@@ -112,6 +113,8 @@ __all__ = [
     "DataPipeline",
     "Decoder",
     "DecodingError",
+    "EvalDataset",
+    "EvenEnds",
     "FluidInterface",
     "FluidWrapper",
     "IndexFormatError",
@@ -152,6 +155,7 @@ __all__ = [
     "decode",
     "detshuffle",
     "ensure_bos_eos",
+    "even_ends",
     "extract_keys",
     "getfirst",
     "gopen",
@@ -199,8 +203,6 @@ __all__ = [
     "unbatched",
     "unlisted",
     "until_all_ranks_end",
-    "EvenEnds",
-    "even_ends",
     "utils",
     "warn_and_continue",
     "warn_and_stop",

@@ -105,15 +105,19 @@ def test_elastic_skip_leaves_consumed_samples_out_of_the_turn(urls) -> None:
     consumed.add_samples(urls[4], [2])
     dataset = wds.WebDataset(urls, shardshuffle=False, n_active_shards=3)
     dataset.skip_consumed(consumed, 0)
-    shards = [[key for o, key in enumerate(keys) if not consumed.is_consumed(url, o)] for url, keys in zip(urls, _shards(urls), strict=True)]
+    shards = [
+        [key for o, key in enumerate(keys) if not consumed.is_consumed(url, o)]
+        for url, keys in zip(urls, _shards(urls), strict=True)
+    ]
     assert _keys(dataset) == _round_robin_model(shards, 3)
 
 
 def test_a_shards_error_goes_to_the_handler_and_the_others_go_on(urls, tmp_path) -> None:
     broken = tmp_path / "broken.tar"
-    broken.write_bytes(open(urls[1], "rb").read()[:1500])  # cut inside its second sample
+    with open(urls[1], "rb") as whole:
+        broken.write_bytes(whole.read()[:1500])  # cut inside its second sample
     mixed = [urls[0], str(broken), urls[2]]
     got = _keys(wds.WebDataset(mixed, shardshuffle=False, n_active_shards=3, handler=wds.warn_and_continue))
     assert set(_shards([urls[0]])[0] + _shards([urls[2]])[0]) <= set(got)
-    with pytest.raises(Exception, match="broken.tar"):
+    with pytest.raises(Exception, match=r"broken\.tar"):
         _keys(wds.WebDataset(mixed, shardshuffle=False, n_active_shards=3))

@@ -24,7 +24,7 @@ from wdsraft.pipeline.stage import Context
 if TYPE_CHECKING:  # (the source imports this module)
     from wdsraft.pipeline.source import TarfileToSamples
 
-__all__ = ["RoundRobin", "same_shard"]
+__all__ = ["ActiveShards", "same_shard"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,13 @@ class _Cursor:
 
     def state(self) -> dict[str, Any]:
         identity = self.index.identity if self.index is not None else None
-        return {"number": self.number, "url": self.url, "offset": self.offset, "ordinal": self.ordinal, "shard": identity}
+        return {
+            "number": self.number,
+            "url": self.url,
+            "offset": self.offset,
+            "ordinal": self.ordinal,
+            "shard": identity,
+        }
 
     def next_sample(self, stage: TarfileToSamples, ctx: Context) -> dict[str, Any] | None:
         """The shard's next sample, or None once it has none left (or its error went to the handler)."""
@@ -69,7 +75,7 @@ class _Cursor:
                 return
 
 
-class RoundRobin:
+class ActiveShards:
     """The samples of the shards a shard list names, ``k`` shards at a time, in turn, and its state."""
 
     def __init__(self, stage: TarfileToSamples, k: int, resume: dict[str, Any] | None):

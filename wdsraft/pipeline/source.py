@@ -22,7 +22,7 @@ from wdsraft.core.fields import OFFSET_FIELD, ORDINAL_FIELD
 from wdsraft.core.state import describe
 from wdsraft.index.shard_index import ShardIndex, span_digest
 from wdsraft.io.storage import local_path
-from wdsraft.pipeline.active import RoundRobin, same_shard
+from wdsraft.pipeline.active import ActiveShards, same_shard
 from wdsraft.pipeline.addresses import Address
 from wdsraft.pipeline.stage import Context, SourceStage
 from wdsraft.tar.format import BLOCK
@@ -62,7 +62,7 @@ class TarfileToSamples(SourceStage):
     starts; readers check the shard against it as they go (see ``ShardSampleReader``), and
     ``verify=True`` checks every sample's CRC-32 too, re-reads by ``rematerialize`` included.
 
-    ``n_active_shards=k`` keeps k shards open and hands out a sample of each in turn (``RoundRobin``):
+    ``n_active_shards=k`` keeps k shards open and hands out a sample of each in turn (``ActiveShards``):
     more mixing within a worker, for k open streams. A shard-list entry may bound a shard with
     ``{"url", "offset", "ordinal", "end"}`` (an exclusive ordinal): an eval split reads part of a shard.
     """
@@ -85,9 +85,9 @@ class TarfileToSamples(SourceStage):
         self.local_path = local_path  # add __local_path__ for local shards, as webdataset.WebDataset does
         self._live: dict[str, Any] = self._fresh()
         self._skip: SkipSet | None = None  # an elastic resume's skip set, for this pass
-        #: Shards read at once, in turn (``RoundRobin``); 1 reads them one after the other.
+        #: Shards read at once, in turn (``ActiveShards``); 1 reads them one after the other.
         self.n_active_shards = n_active_shards
-        self._round: RoundRobin | None = None  # the round-robin in progress (n_active_shards > 1)
+        self._round: ActiveShards | None = None  # the round-robin in progress (n_active_shards > 1)
 
     @staticmethod
     def _fresh() -> dict[str, Any]:
@@ -116,7 +116,7 @@ class TarfileToSamples(SourceStage):
         if self.n_active_shards > 1:
             if state is not None and "active" not in state:
                 raise StateMismatchError("this state was saved reading one shard at a time, not n_active_shards")
-            self._round = RoundRobin(self, self.n_active_shards, state)
+            self._round = ActiveShards(self, self.n_active_shards, state)
             return self._round.samples(ctx, src)
         self._live = dict(state) if state is not None else self._fresh()
         return self._samples(ctx, src, state)
