@@ -79,6 +79,12 @@ def _rank(rank: int, port: int, urls: list[str], out) -> None:
         again = _loader(urls, rank, wds.EvenEnds("pad", length=BATCHES[rank]))
         again.load_state_dict(state)
         results["length resumed"] = _steps(again)[0]
+        # A length below the real count: found at the epoch's end, after the agreed steps.
+        try:
+            _steps(_loader(urls, rank, wds.EvenEnds("pad", length=BATCHES[rank] - (rank == 0))))
+            results["understated"] = None
+        except ValueError as exn:
+            results["understated"] = str(exn)
         # A default group that is not gloo (NCCL on GPUs): the flag goes over a gloo twin made once.
         dist.get_backend = lambda group=None: "nccl"  # type: ignore[assignment]
         whole, _ = _steps(_loader(urls, rank, "pad"))
@@ -162,3 +168,8 @@ def test_even_ends_stays_the_last_stage_and_checks_its_mode(write_shards) -> Non
     with pytest.raises(ValueError, match="shortest"):
         wds.WebLoader(wds.WebDataset(urls, shardshuffle=False), even_ends="longest")
     assert list(wds.even_ends(iter([1, 2]), "shortest")) == [1, 2]  # no process group: untouched
+
+
+def test_a_length_below_the_real_count_is_an_error(runs) -> None:
+    assert "more than the 3 batches" in runs[0]["understated"]
+    assert runs[1]["understated"] is None and runs[2]["understated"] is None
