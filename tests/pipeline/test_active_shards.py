@@ -46,8 +46,10 @@ def _shards(urls) -> list[list[str]]:
 
 @pytest.mark.parametrize("k", [2, 3, 7])
 def test_k_shards_are_read_in_turn(urls, k) -> None:
-    got = _keys(wds.WebDataset(urls, shardshuffle=False, n_active_shards=k))
+    samples = list(wds.WebDataset(urls, shardshuffle=False, n_active_shards=k))
+    got = [sample["__key__"] for sample in samples]
     assert got == _round_robin_model(_shards(urls), k)
+    assert all(sample["__local_path__"] == sample["__url__"] for sample in samples)  # (as webdataset sets it)
     assert sorted(got) == [f"{n:05d}" for n in range(23)]
 
 

@@ -32,9 +32,19 @@ logger = logging.getLogger(__name__)
 class _Cursor:
     """One open shard of the round-robin: its samples, and where its next sample starts."""
 
-    def __init__(self, number: int, url: str, offset: int, ordinal: int, index: ShardIndex | None, end: int | None):
+    def __init__(
+        self,
+        number: int,
+        url: str,
+        offset: int,
+        ordinal: int,
+        index: ShardIndex | None,
+        end: int | None,
+        local: str | None = None,
+    ):
         self.number = number  # which shard of the epoch (1 for the first started)
         self.url = url
+        self.local = local  # the path set as ``__local_path__`` (webdataset's field), or None
         self.offset = offset
         self.ordinal = ordinal
         self.index = index
@@ -106,7 +116,8 @@ class ActiveShards:
             ordinal = (index.ordinal_at(offset) if index is not None else None) or 0
         if saved is not None:
             same_shard(url, saved.get("shard"), index.identity if index is not None else None)
-        return _Cursor(self.started, url, offset, ordinal, index, end)
+        local = local_path(url) if self.stage.local_path else None
+        return _Cursor(self.started, url, offset, ordinal, index, end, local)
 
     def _restore(self, sources: Iterator[Any], resume: dict[str, Any]) -> None:
         """Replay the shard list up to the shards the state had started; reopen its open ones."""
@@ -146,10 +157,8 @@ class ActiveShards:
             if sample is None:  # the shard is done: it leaves the turn
                 continue
             active.append(cursor)
-            if stage.local_path:
-                local = local_path(cursor.url)
-                if local is not None:
-                    sample["__local_path__"] = local
+            if cursor.local is not None:
+                sample["__local_path__"] = cursor.local
             ctx.provenance = (cursor.url, sample[ORDINAL_FIELD], sample[OFFSET_FIELD], 0)
             ctx.serial += 1
             yield sample
