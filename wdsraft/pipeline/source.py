@@ -111,13 +111,13 @@ class TarfileToSamples(SourceStage):
     def run(self, ctx: Context, src: Iterator[Any] | None, state: dict[str, Any] | None) -> Iterator[dict[str, Any]]:
         if src is None:
             raise ValueError("tarfile_to_samples needs a stream of shard URLs before it")
-        # Adopt the state now: a state taken before the generator first runs must be this one.
         self._skip = ctx.skip
         if self.n_active_shards > 1:
             if state is not None and "active" not in state:
                 raise StateMismatchError("this state was saved reading one shard at a time, not n_active_shards")
-            self._round = ActiveShards(self, self.n_active_shards, state)
+            self._round = ActiveShards(self, self.n_active_shards, state)  # (holds the state until it runs)
             return self._round.samples(ctx, src)
+        # Adopt the state now: a state taken before the generator first runs must be this one.
         self._live = dict(state) if state is not None else self._fresh()
         return self._samples(ctx, src, state)
 
