@@ -173,3 +173,13 @@ def test_even_ends_stays_the_last_stage_and_checks_its_mode(write_shards) -> Non
 def test_a_length_below_the_real_count_is_an_error(runs) -> None:
     assert "more than the 3 batches" in runs[0]["understated"]
     assert runs[1]["understated"] is None and runs[2]["understated"] is None
+
+
+def test_even_ends_costs_the_loader_no_snapshots(write_shards) -> None:
+    """The stage holds no items, so the loader keeps no per-batch states for re-reading them."""
+    urls = write_shards("even", [{"txt": f"s{n}"} for n in range(30)], 5)
+    dataset = wds.WebDataset(urls, shardshuffle=False).to_tuple("__key__").batched(4)
+    loader = wds.WebLoader(dataset, batch_size=None, num_workers=0, even_ends="pad")
+    source = loader.pipeline[0]
+    for _ in loader:
+        assert not source._snapshots
