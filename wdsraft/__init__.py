@@ -49,6 +49,7 @@ from wdsraft.core.errors import (
     TarFormatError,
 )
 from wdsraft.core.fields import Position
+from wdsraft.evaluation import EvalDataset
 from wdsraft.filters import (
     Cached,
     LMDBCached,
@@ -87,7 +88,7 @@ from wdsraft.llm.tokenize_stage import tokenize
 from wdsraft.llm.tokenizers import as_tokenizer
 from wdsraft.mix import RandomMix, RoundRobin
 from wdsraft.pipeline import DataPipeline, Stage
-from wdsraft.pipeline.ends import until_all_ranks_end
+from wdsraft.pipeline.ends import EvenEnds, even_ends, until_all_ranks_end
 from wdsraft.shardlists import (
     MultiShardSample,
     ResampledShards,
@@ -112,6 +113,8 @@ __all__ = [
     "DataPipeline",
     "Decoder",
     "DecodingError",
+    "EvalDataset",
+    "EvenEnds",
     "FluidInterface",
     "FluidWrapper",
     "IndexFormatError",
@@ -152,6 +155,7 @@ __all__ = [
     "decode",
     "detshuffle",
     "ensure_bos_eos",
+    "even_ends",
     "extract_keys",
     "getfirst",
     "gopen",

@@ -26,6 +26,7 @@ from wdsraft import filters, llm
 from wdsraft.core.state import describe
 from wdsraft.pipeline.datapipeline import DataPipeline
 from wdsraft.pipeline.decode import DecodeStage
+from wdsraft.pipeline.ends import EvenEnds
 from wdsraft.pipeline.loader import CheapSnapshotLoader, DieWithParent, LoaderSource, convert_batch
 from wdsraft.pipeline.shardlists import ResampledShards, SimpleShardList, single_node_only, split_by_worker
 from wdsraft.pipeline.source import TarfileToSamples
@@ -111,6 +112,8 @@ class WebDataset(DataPipeline, FluidInterface):
     every epoch (epoch 0 is webdataset's); ``reshuffle_each_epoch=False`` keeps
     webdataset's same-order-every-epoch behaviour. Shards with an index are checked against
     it as they are read; ``verify=True`` also checks each sample's CRC-32 (see ``ShardSampleReader``).
+    ``n_active_shards=k`` reads k of each worker's shards at once, a sample from each in turn (k open
+    streams per worker; see docs/reading-and-writing.md, "Several shards at once").
     """
 
     def __init__(
@@ -134,6 +137,7 @@ class WebDataset(DataPipeline, FluidInterface):
         seed: Any = None,
         reshuffle_each_epoch: bool = True,
         verify: bool = False,
+        n_active_shards: int = 1,
     ):
         super().__init__()
         if resampled:
@@ -169,7 +173,12 @@ class WebDataset(DataPipeline, FluidInterface):
             self.append(self.shard_shuffle)
         self.append(
             TarfileToSamples(
-                handler=handler, select_files=select_files, rename_files=rename_files, local_path=True, verify=verify
+                handler=handler,
+                select_files=select_files,
+                rename_files=rename_files,
+                local_path=True,
+                verify=verify,
+                n_active_shards=n_active_shards,
             )
         )
         if empty_check:
@@ -237,6 +246,10 @@ class WebLoader(DataPipeline, FluidInterface):
     .batched(b).with_epoch(n)``) run in the training process and are checkpointed with the
     loader: ``state_dict()`` holds the loader's state (with each worker's dataset state)
     and theirs.
+
+    ``even_ends="pad"|"shortest"`` (or an ``EvenEnds``) makes every rank take the same number of steps
+    per epoch: the short ranks get ``None`` batches, or all ranks stop with the shortest (see
+    ``wdsraft.pipeline.ends``). It stays the last stage, after fluent stages added later.
     """
 
     #: Least default of ``StatefulDataLoader``'s ``snapshot_every_n_steps`` (torchdata's is 1). A state
@@ -247,7 +260,7 @@ class WebLoader(DataPipeline, FluidInterface):
     #: Steps of the default interval per worker: each worker re-runs at most this many batches.
     snapshot_steps_per_worker = 16
 
-    def __init__(self, *args: Any, **kw: Any):
+    def __init__(self, *args: Any, even_ends: str | EvenEnds | None = None, **kw: Any):
         given = inspect.signature(StatefulDataLoader).bind(*args, **kw).arguments
         if "batch_size" in given and given["batch_size"] is None and given.get("collate_fn") is None:
             kw["collate_fn"] = convert_batch
@@ -263,6 +276,17 @@ class WebLoader(DataPipeline, FluidInterface):
             warnings.filterwarnings("ignore", message=".*set_vital.*is deprecated")
             loader = CheapSnapshotLoader(*args, **kw)
         super().__init__(LoaderSource(loader))
+        #: The last stage, kept last by ``append`` (fluent stages added later go before it), or None.
+        self.even_ends = EvenEnds(even_ends) if isinstance(even_ends, str) else even_ends
+        if self.even_ends is not None:
+            self.pipeline.append(self.even_ends)
+
+    def append(self, f: Any) -> None:
+        ends = getattr(self, "even_ends", None)
+        if ends is not None and self.pipeline and self.pipeline[-1] is ends:
+            self.pipeline.insert(len(self.pipeline) - 1, f)
+        else:
+            super().append(f)
 
     @classmethod
     def snapshot_interval(cls, num_workers: int) -> int:

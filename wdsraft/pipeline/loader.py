@@ -186,7 +186,7 @@ class LoaderSource(SourceStage):
     def _batches(self, ctx: Context, iterator: Iterator[Any]) -> Iterator[Any]:
         # Snapshots of the loader are only needed to re-read batches that stages after this one hold;
         # without such stages, skip them (each costs a state_dict() of the loader and its dataset).
-        keep = any(isinstance(stage, Stage) for stage in ctx.stages[self.index + 1 :])
+        keep = any(isinstance(stage, Stage) and stage.holds_items for stage in ctx.stages[self.index + 1 :])
         while True:
             if keep:
                 self._snapshots[self._fetched] = self._loader_state()

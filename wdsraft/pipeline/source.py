@@ -22,6 +22,7 @@ from wdsraft.core.fields import OFFSET_FIELD, ORDINAL_FIELD
 from wdsraft.core.state import describe
 from wdsraft.index.shard_index import ShardIndex, span_digest
 from wdsraft.io.storage import local_path
+from wdsraft.pipeline.active import ActiveShards, same_shard
 from wdsraft.pipeline.addresses import Address
 from wdsraft.pipeline.stage import Context, SourceStage
 from wdsraft.tar.format import BLOCK
@@ -60,6 +61,10 @@ class TarfileToSamples(SourceStage):
     Each shard's index (``SHARD.idx`` beside a local or S3 shard) is loaded once when the shard
     starts; readers check the shard against it as they go (see ``ShardSampleReader``), and
     ``verify=True`` checks every sample's CRC-32 too, re-reads by ``rematerialize`` included.
+
+    ``n_active_shards=k`` keeps k shards open and hands out a sample of each in turn (``ActiveShards``):
+    more mixing within a worker, for k open streams. A shard-list entry may bound a shard with
+    ``{"url", "offset", "ordinal", "end"}`` (an exclusive ordinal): an eval split reads part of a shard.
     """
 
     def __init__(
@@ -69,7 +74,10 @@ class TarfileToSamples(SourceStage):
         rename_files: Callable[[str], str] | None = None,
         local_path: bool = False,
         verify: bool = False,
+        n_active_shards: int = 1,
     ):
+        if not isinstance(n_active_shards, int) or n_active_shards < 1:
+            raise ValueError(f"n_active_shards must be a positive integer, not {n_active_shards!r}")
         self.handler = handler
         self.verify = verify  # (not in config(): it changes no sample, only whether damage is found)
         self.select_files = select_files
@@ -77,27 +85,40 @@ class TarfileToSamples(SourceStage):
         self.local_path = local_path  # add __local_path__ for local shards, as webdataset.WebDataset does
         self._live: dict[str, Any] = self._fresh()
         self._skip: SkipSet | None = None  # an elastic resume's skip set, for this pass
+        #: Shards read at once, in turn (``ActiveShards``); 1 reads them one after the other.
+        self.n_active_shards = n_active_shards
+        self._round: ActiveShards | None = None  # the round-robin in progress (n_active_shards > 1)
 
     @staticmethod
     def _fresh() -> dict[str, Any]:
         return {"shards_started": 0, "url": None, "offset": 0, "ordinal": 0, "done": False, "shard": None}
 
     def config(self) -> dict[str, Any]:
-        return {
+        config = {
             "select_files": describe(self.select_files),
             "rename_files": describe(self.rename_files),
             "handler": describe(self.handler),
         }
+        if self.n_active_shards != 1:  # (absent at 1: states saved before the option still match)
+            config["n_active_shards"] = self.n_active_shards
+        return config
 
     def state_dict(self) -> dict[str, Any]:
+        if self._round is not None:
+            return self._round.state()
         return dict(self._live)
 
     def run(self, ctx: Context, src: Iterator[Any] | None, state: dict[str, Any] | None) -> Iterator[dict[str, Any]]:
         if src is None:
             raise ValueError("tarfile_to_samples needs a stream of shard URLs before it")
+        self._skip = ctx.skip
+        if self.n_active_shards > 1:
+            if state is not None and "active" not in state:
+                raise StateMismatchError("this state was saved reading one shard at a time, not n_active_shards")
+            self._round = ActiveShards(self, self.n_active_shards, state)  # (holds the state until it runs)
+            return self._round.samples(ctx, src)
         # Adopt the state now: a state taken before the generator first runs must be this one.
         self._live = dict(state) if state is not None else self._fresh()
-        self._skip = ctx.skip
         return self._samples(ctx, src, state)
 
     def _reader(
@@ -130,6 +151,7 @@ class TarfileToSamples(SourceStage):
             url = source["url"] if isinstance(source, dict) else source
             started += 1
             offset, ordinal = (source.get("offset", 0), source.get("ordinal")) if isinstance(source, dict) else (0, 0)
+            end = source.get("end") if isinstance(source, dict) else None  # (an eval split's bound)
             if resume is not None and started <= resume["shards_started"]:
                 if started < resume["shards_started"]:
                     continue  # finished before the checkpoint: not even opened
@@ -146,12 +168,12 @@ class TarfileToSamples(SourceStage):
             if ordinal is None:  # an offset without its ordinal: the index knows it (else 0, as before indexes)
                 ordinal = (index.ordinal_at(offset) if index is not None else None) or 0
             if resume is not None and started == resume["shards_started"]:
-                _same_shard(url, resume.get("shard"), identity)
+                same_shard(url, resume.get("shard"), identity)
             live.update(shards_started=started, url=url, offset=offset, ordinal=ordinal, done=False, shard=identity)
             local = local_path(url) if self.local_path else None
             stopped = False
             try:
-                for reader in self._readers(ctx, url, offset, ordinal, index):
+                for reader in self._readers(ctx, url, offset, ordinal, index, end):
                     for sample in reader:
                         live["offset"], live["ordinal"] = reader.next_offset, reader.next_ordinal
                         if local is not None:
@@ -174,22 +196,29 @@ class TarfileToSamples(SourceStage):
                 f"the saved state had started {resume['shards_started']} shards this epoch, but only {started} remain"
             )
 
-    def _readers(self, ctx: Context, url: str, offset: int, ordinal: int, index: ShardIndex | None) -> Iterator[Any]:
-        """Readers over what is left to read of a shard: all of it, or -- with a ledger's consumed set
-        (elastic resume) -- the runs of samples not yet consumed, found through the shard index so
-        consumed samples are not even read, and fully consumed shards not opened."""
+    def _readers(
+        self, ctx: Context, url: str, offset: int, ordinal: int, index: ShardIndex | None, end: int | None = None
+    ) -> Iterator[Any]:
+        """Readers over what is left to read of a shard (up to ordinal ``end``, exclusive, where the shard
+        list bounds it): all of it, or -- with a ledger's consumed set (elastic resume) -- the runs of
+        samples not yet consumed, found through the shard index so consumed samples are not even read,
+        and fully consumed shards not opened."""
+        if end is not None and ordinal >= end:
+            return
         consumed = ctx.skip.skipped_in(url) if ctx.skip is not None else None
         if consumed is None:
-            yield self._marking(ctx, url, self._reader(url, offset, ordinal, index))
+            reader = self._marking(ctx, url, self._reader(url, offset, ordinal, index))
+            yield reader if end is None else _Bounded(reader, end)
             return
         if index is None or index.compression is not None:
             # No index, or a compressed shard (a reader per run would decompress it from the start for
             # each run): one reader over the rest of the shard, dropping what was consumed.
-            yield _Filtered(self._marking(ctx, url, self._reader(url, offset, ordinal, index)), consumed)
+            rest = _Filtered(self._marking(ctx, url, self._reader(url, offset, ordinal, index)), consumed)
+            yield rest if end is None else _Bounded(rest, end)
             return
         offsets = index.offsets
         run_start = ordinal
-        total = len(offsets) - 1
+        total = len(offsets) - 1 if end is None else min(len(offsets) - 1, end)
         while run_start < total:
             while run_start < total and run_start in consumed:
                 run_start += 1
@@ -361,20 +390,6 @@ class _Marked(_ReaderView):
             if fields:
                 sample.update(fields)
             yield sample
-
-
-def _same_shard(url: str, saved: str | None, identity: str | None) -> None:
-    """A state taken on one shard must not resume on another of the same name (a re-converted dataset)."""
-    if saved is None:
-        return  # (a state from before identities were recorded, or a shard without an index then)
-    if identity is None:
-        logger.warning("%s: the saved state names the shard %s but it has no index now: not checked", url, saved)
-        return
-    if saved != identity:
-        raise StateMismatchError(
-            f"{url}: the saved state was taken on a shard with identity {saved}, this one is {identity}: "
-            "the shard was rewritten (same name, other contents)"
-        )
 
 
 def _runs(offsets: list[int], gap: int = 1 << 18) -> list[list[int]]:

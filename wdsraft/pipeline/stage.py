@@ -102,6 +102,8 @@ class Stage:
 
     #: Index of this stage in its pipeline (set by the pipeline at the start of an iteration).
     index = -1
+    #: Whether it can hold items between outputs (False: a ``WebLoader`` keeps no snapshots for re-reading them).
+    holds_items = True
 
     def config(self) -> dict[str, Any]:
         return {}

@@ -1,0 +1,185 @@
+"""Even ends across ranks: real processes in a gloo group, ranks holding uneven shard counts, a training
+all_reduce at every step. Every rank leaves the epoch on the same step ("pad": the longest rank's,
+"shortest": the shortest rank's) without hanging (collectives time out, so a hang fails the test), and
+a state taken during the padding steps resumes into the same step count."""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import queue
+from typing import Any
+
+import pytest
+from shardutil import free_port
+
+import wdsraft as wds
+from wdsraft.testing import identity
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # webdataset's advice warnings
+
+WORLD = 3
+SHARDS_OF_RANK = {0: [0, 1, 2], 1: [3], 2: [4, 5]}  # 5 samples per shard: 4, 2 and 3 batches of 4
+BATCHES = {0: 4, 1: 2, 2: 3}
+CUT = {"pad": 3, "shortest": 1}  # where the resumed run starts (pad: rank 1 is padding there)
+
+
+def _loader(urls: list[str], rank: int, ends: Any):
+    mine = [urls[n] for n in SHARDS_OF_RANK[rank]]
+    dataset = wds.WebDataset(mine, shardshuffle=False, nodesplitter=None).to_tuple("__key__").batched(4)
+    return wds.WebLoader(dataset, batch_size=None, num_workers=0, even_ends=ends).unbatched().batched(4)
+
+
+def _steps(loader, cut: int | None = None) -> tuple[list[Any], Any]:
+    """Run an epoch with a training all_reduce per step; the items and the state after ``cut`` steps."""
+    import torch
+    import torch.distributed as dist
+
+    items, state = [], None
+    for item in loader:
+        dist.all_reduce(torch.ones(1))  # the training step's collective
+        items.append(None if item is None else identity(item))
+        if len(items) == cut:
+            state = loader.state_dict()
+    return items, state
+
+
+def _rank(rank: int, port: int, urls: list[str], out) -> None:
+    import torch.distributed as dist
+
+    from wdsraft.pipeline import ends
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=datetime.timedelta(seconds=20),  # a hang raises in the ranks instead of waiting for ever
+    )
+    try:
+        results: dict[str, Any] = {}
+        calls = [0]
+        reduce = dist.all_reduce
+
+        def counted(*args: Any, **kw: Any) -> Any:
+            calls[0] += 1
+            return reduce(*args, **kw)
+
+        dist.all_reduce = counted  # type: ignore[assignment]
+        for mode in ("pad", "shortest"):
+            whole, state = _steps(_loader(urls, rank, mode), CUT[mode])
+            again = _loader(urls, rank, mode)
+            again.load_state_dict(state)
+            rest, _ = _steps(again)
+            results[mode] = (whole, rest)
+        # Known lengths: one exchange when the epoch starts, none per step.
+        calls[0] = 0
+        whole, state = _steps(_loader(urls, rank, wds.EvenEnds("pad", length=BATCHES[rank])), CUT["pad"])
+        results["length"] = (whole, calls[0] - len(whole))
+        again = _loader(urls, rank, wds.EvenEnds("pad", length=BATCHES[rank]))
+        again.load_state_dict(state)
+        results["length resumed"] = _steps(again)[0]
+        # A length below the real count: found at the epoch's end, after the agreed steps.
+        try:
+            _steps(_loader(urls, rank, wds.EvenEnds("pad", length=BATCHES[rank] - (rank == 0))))
+            results["understated"] = None
+        except ValueError as exn:
+            results["understated"] = str(exn)
+        # A default group that is not gloo (NCCL on GPUs): the flag goes over a gloo twin made once.
+        dist.get_backend = lambda group=None: "nccl"  # type: ignore[assignment]
+        whole, _ = _steps(_loader(urls, rank, "pad"))
+        results["twin"] = (whole, len(ends._side_groups))
+        out.put((rank, results))
+        dist.barrier()
+    except BaseException as exn:
+        out.put((rank, repr(exn)))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def runs(write_shards) -> dict[int, Any]:
+    urls = write_shards("even", [{"txt": f"s{n}"} for n in range(30)], 5)
+    context = multiprocessing.get_context("spawn")
+    port, out = free_port(), context.Queue()
+    processes = [context.Process(target=_rank, args=(rank, port, urls, out)) for rank in range(WORLD)]
+    for process in processes:
+        process.start()
+    try:
+        results = dict(out.get(timeout=90) for _ in processes)
+    except queue.Empty:
+        pytest.fail("a rank hung at the end of an epoch")
+    finally:
+        for process in processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+    for rank, result in results.items():
+        assert not isinstance(result, str), f"rank {rank}: {result}"
+    return results
+
+
+def _alone(write_shards, rank: int) -> list[Any]:
+    """What the rank's loader gives without a process group: its own batches."""
+    urls = write_shards("even", [{"txt": f"s{n}"} for n in range(30)], 5)
+    return [identity(b) for b in _loader(urls, rank, None)]
+
+
+def test_pad_gives_every_rank_the_longest_ranks_steps(runs, write_shards) -> None:
+    for rank in range(WORLD):
+        whole, _ = runs[rank]["pad"]
+        assert whole == _alone(write_shards, rank) + [None] * (4 - BATCHES[rank]), rank
+
+
+def test_shortest_stops_every_rank_with_the_shortest(runs, write_shards) -> None:
+    for rank in range(WORLD):
+        whole, _ = runs[rank]["shortest"]
+        assert whole == _alone(write_shards, rank)[:2], rank
+
+
+@pytest.mark.parametrize("mode", ["pad", "shortest", "length"])
+def test_a_state_taken_while_padding_resumes_into_the_same_step_count(runs, mode) -> None:
+    for rank in range(WORLD):
+        whole, rest = runs[rank][mode]
+        if mode == "length":
+            whole, rest = whole, runs[rank]["length resumed"]
+        assert rest == whole[CUT.get(mode, 3) :], (rank, mode)
+
+
+def test_known_lengths_exchange_once_per_epoch(runs, write_shards) -> None:
+    for rank in range(WORLD):
+        whole, exchanges = runs[rank]["length"]
+        assert whole == _alone(write_shards, rank) + [None] * (4 - BATCHES[rank])
+        assert exchanges == 1, rank
+
+
+def test_a_non_gloo_group_sends_the_flag_over_a_gloo_twin(runs, write_shards) -> None:
+    for rank in range(WORLD):
+        whole, twins = runs[rank]["twin"]
+        assert whole == _alone(write_shards, rank) + [None] * (4 - BATCHES[rank])
+        assert twins == 1
+
+
+def test_even_ends_stays_the_last_stage_and_checks_its_mode(write_shards) -> None:
+    urls = write_shards("even", [{"txt": f"s{n}"} for n in range(30)], 5)
+    loader = _loader(urls, 0, "shortest")
+    assert loader.pipeline[-1] is loader.even_ends and len(loader.pipeline) == 4
+    with pytest.raises(ValueError, match="shortest"):
+        wds.WebLoader(wds.WebDataset(urls, shardshuffle=False), even_ends="longest")
+    assert list(wds.even_ends(iter([1, 2]), "shortest")) == [1, 2]  # no process group: untouched
+
+
+def test_a_length_below_the_real_count_is_an_error(runs) -> None:
+    assert "more than the 3 batches" in runs[0]["understated"]
+    assert runs[1]["understated"] is None and runs[2]["understated"] is None
+
+
+def test_even_ends_costs_the_loader_no_snapshots(write_shards) -> None:
+    """The stage holds no items, so the loader keeps no per-batch states for re-reading them."""
+    urls = write_shards("even", [{"txt": f"s{n}"} for n in range(30)], 5)
+    dataset = wds.WebDataset(urls, shardshuffle=False).to_tuple("__key__").batched(4)
+    loader = wds.WebLoader(dataset, batch_size=None, num_workers=0, even_ends="pad")
+    source = loader.pipeline[0]
+    for _ in loader:
+        assert not source._snapshots
