@@ -87,7 +87,14 @@ from wdsraft.llm.tokenize_stage import tokenize
 from wdsraft.llm.tokenizers import as_tokenizer
 from wdsraft.mix import RandomMix, RoundRobin
 from wdsraft.pipeline import DataPipeline, Stage
+
+# the LLM dataset toolbox (epochraft's names), checkpointable; ``wds.cache`` stays webdataset's module, and
+# ``enumerate`` is left out of __all__ (a star import would hide the builtin)
+from wdsraft.pipeline.caching import cache as cache_samples
+from wdsraft.pipeline.concat import ConcatDatasets, concat_datasets
 from wdsraft.pipeline.ends import until_all_ranks_end
+from wdsraft.pipeline.parallel import parallel_filter_map, parallel_map
+from wdsraft.pipeline.toolbox import enumerate, stride, take
 from wdsraft.shardlists import (
     MultiShardSample,
     ResampledShards,
@@ -106,6 +113,15 @@ from wdsraft.writer import ShardWriter, TarWriter
 __version__ = "0.1.0"
 
 __all__ = [
+    # the toolbox
+    "ConcatDatasets",
+    "cache_samples",
+    "concat_datasets",
+    "parallel_filter_map",
+    "parallel_map",
+    "stride",
+    "take",
+    # the rest
     "Cached",
     "ConsumedSet",
     "Continue",
