@@ -36,7 +36,9 @@ def _base(urls, shardshuffle=False):
 
 
 def _loader(dataset, workers: int):
-    return wds.WebLoader(dataset, batch_size=None, num_workers=workers)
+    # Workers snapshot their dataset's state every 2 steps (not 32): restores then load the stages' states
+    # taken mid-stream in the workers, rather than re-run the workers from their start.
+    return wds.WebLoader(dataset, batch_size=None, num_workers=workers, snapshot_every_n_steps=2)
 
 
 def _keys(pipeline) -> list:
@@ -130,6 +132,17 @@ def test_enumerate_saves_the_numbers_of_what_is_held_after_it(urls) -> None:
     state = next(s for s in dataset.state_dict()["stages"].values() if isinstance(s, dict) and "numbers" in s)
     assert sorted(state["numbers"]) == sorted(set(range(state["count"])) - out)  # those the shuffle holds
     assert 25 <= len(state["numbers"]) <= 30  # no more than the buffer (older numbers dropped)
+
+
+def test_enumerate_remembers_a_bounded_number_of_samples(urls) -> None:
+    stage = wds.enumerate()
+    stage.keep = 8
+    pipeline = _base(urls).compose(stage).shuffle(3, initial=3, seed=1)
+    iterator = iter(pipeline)
+    for _ in range(30):
+        next(iterator)
+    assert len(stage._numbers) <= 8 + 1  # (pruned to what the shuffle holds whenever it passes keep)
+    assert pipeline.state_dict()  # and what is held still has its number
 
 
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
