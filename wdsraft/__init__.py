@@ -94,7 +94,7 @@ from wdsraft.pipeline.caching import cache as cache_samples
 from wdsraft.pipeline.concat import ConcatDatasets, concat_datasets
 from wdsraft.pipeline.ends import until_all_ranks_end
 from wdsraft.pipeline.parallel import parallel_filter_map, parallel_map
-from wdsraft.pipeline.toolbox import enumerate, stride, take
+from wdsraft.pipeline.toolbox import enumerate, stride, take  # noqa: F401 - enumerate: see above
 from wdsraft.shardlists import (
     MultiShardSample,
     ResampledShards,
@@ -113,16 +113,8 @@ from wdsraft.writer import ShardWriter, TarWriter
 __version__ = "0.1.0"
 
 __all__ = [
-    # the toolbox
-    "ConcatDatasets",
-    "cache_samples",
-    "concat_datasets",
-    "parallel_filter_map",
-    "parallel_map",
-    "stride",
-    "take",
-    # the rest
     "Cached",
+    "ConcatDatasets",
     "ConsumedSet",
     "Continue",
     "DataPipeline",
@@ -162,9 +154,11 @@ __all__ = [
     "associate",
     "batched",
     "build_index",
+    "cache_samples",
     "chunk",
     "collate_sequences",
     "concat_chunk",
+    "concat_datasets",
     "decode",
     "detshuffle",
     "ensure_bos_eos",
@@ -186,6 +180,8 @@ __all__ = [
     "open_shard",
     "pack_bestfit",
     "pad",
+    "parallel_filter_map",
+    "parallel_map",
     "pipe_cleaner",
     "pipelinefilter",
     "pytorch_weights_only",
@@ -202,6 +198,8 @@ __all__ = [
     "slice",
     "split_by_node",
     "split_by_worker",
+    "stride",
+    "take",
     "tarfile_samples",
     "tarfile_to_samples",
     "tenbin",

@@ -99,8 +99,8 @@ class parallel_filter_map(Curried, Stage):
         pool = self._pool()
         try:
             if restored:  # the items in flight at the save, re-read, go first
-                for address, item in zip(restored, ctx.rematerializers[self.index](restored), strict=True):
-                    in_flight.append((address, item, pool.submit(self.fn, item)))
+                for saved, item in zip(restored, ctx.rematerializers[self.index](restored), strict=True):
+                    in_flight.append((saved, item, pool.submit(self.fn, item)))
             tracker = AddressTracker(ctx)
             src = iter(src)
             exhausted = False
@@ -113,14 +113,12 @@ class parallel_filter_map(Curried, Stage):
                     in_flight.append((tracker.address(), item, pool.submit(self.fn, item)))
                 if not in_flight:
                     return
-                address, item, future = in_flight[0]
+                address, item, future = in_flight[0]  # (the oldest: results go out in input order)
                 try:
                     result = future.result()
                 except Exception as error:
                     where = f" at {address}" if address is not None else ""
-                    error.add_note(
-                        f"in stage {self.index} ({type(self).__name__}), on the item {_name_of(item)}{where}"
-                    )
+                    _name_in(error, f"in stage {self.index} ({type(self).__name__}), on {_name_of(item)}{where}")
                     raise
                 in_flight.popleft()
                 if result is None and self.drops_none:
@@ -141,6 +139,16 @@ class parallel_map(parallel_filter_map):
     ``parallel_map``); a None result is handed out as it is. See ``parallel_filter_map``."""
 
     drops_none = False
+
+
+def _name_in(error: Exception, note: str) -> None:
+    """Say in ``error`` which item failed, keeping its type (a handler catching it still does): a note
+    (Python 3.11+), else one more argument, as webdataset adds the shard's name to a reader's errors."""
+    add_note = getattr(error, "add_note", None)
+    if add_note is not None:
+        add_note(note)
+    else:
+        error.args = (*error.args, note)
 
 
 def _name_of(item: Any) -> str:
