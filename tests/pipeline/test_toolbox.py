@@ -287,3 +287,39 @@ def test_cache_resumes_through_two_workers(urls, tmp_path_factory, kill) -> None
         return _loader(_base(urls, shardshuffle=4).cache(directory).repeat(2), 2)
 
     _check_kill_point("loader-cache", make, kill)
+
+
+# -- them all, as docs/stages.md chains them ------------------------------------------------------------
+
+
+def tokenize_sample(sample):  # (stand-ins for a tokenizer and a length filter)
+    return {**sample, "input_ids": [int(sample["txt"])] * 3}
+
+
+def drop_too_short(sample):
+    return None if int(sample["txt"]) % 5 == 0 else sample
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(kill=st.integers(0, 40))
+def test_the_documented_llm_chain_resumes_through_two_workers(urls, other_urls, tmp_path_factory, kill) -> None:
+    directory = tmp_path_factory.getbasetemp() / "docs-chain-cache"
+
+    def make():
+        instructions = wds.WebDataset(other_urls, shardshuffle=False, seed=0).cache(directory)
+        web = wds.WebDataset(urls, shardshuffle=4, seed=0)
+        train = (
+            wds.FluidWrapper(wds.concat_datasets([instructions, web]))
+            .shuffle(6, seed=1)
+            .decode()
+            .parallel_map(tokenize_sample, max_workers=2)
+            .parallel_filter_map(drop_too_short, max_workers=2)
+            .enumerate()
+            .take(20)
+            .to_tuple("__key__", "step", "input_ids")
+        )
+        return _loader(train, 2)
+
+    _check_kill_point("docs-chain", make, kill)
+    stream, _ = _runs["docs-chain"]
+    assert sorted(step for _, step, _ in stream) == sorted([*range(20), *range(20)])  # numbered per worker
