@@ -106,6 +106,8 @@ def test_enumerate_numbers_each_pass_from_zero(urls) -> None:
     assert list(dataset) == list(zip(KEYS, range(N), strict=True))
     assert [s["n"] for s in _base(urls).take(3).enumerate("n")] == [0, 1, 2]
     assert list(dataset) == list(zip(KEYS, range(N), strict=True))  # the next pass starts again
+    with pytest.raises(TypeError, match=r"samples must be dicts .* enumerate before to_tuple"):
+        list(_base(urls).to_tuple("__key__").enumerate())
 
 
 @pytest.mark.parametrize("after", ["shuffle", "batched", "none"])
@@ -253,6 +255,25 @@ def test_cache_repeats_the_first_pass_of_a_reshuffled_stream(urls, tmp_path) -> 
     _stream, states = states_along(lambda: make(None))
     with pytest.raises(StateMismatchError, match=r"stage \d+ \(cache\): the 21 items before it differ"):
         resume(lambda: make(None), states[30])
+
+
+def test_in_memory_cache_lost_twice_in_one_pass_is_refused(urls) -> None:
+    """A pass that rebuilt a lost in-memory cache has read upstream to its end: a state taken in it, loaded
+    in yet another process, cannot rebuild again, and says so (rather than hand out nothing)."""
+
+    def make():
+        return _base(urls[:2]).cache().repeat(2)
+
+    _stream, states = states_along(make)
+    rebuilding = make()
+    rebuilding.load_state_dict(states[17])  # (epoch 1, read phase: this new pipeline has no cache)
+    iterator = iter(rebuilding)
+    next(iterator)
+    state = rebuilding.state_dict()
+    again = make()
+    again.load_state_dict(state)
+    with pytest.raises(StateMismatchError, match=r"already read in this pass; give cache\(directory=\.\.\.\)"):
+        next(iter(again))
 
 
 def test_torn_cache_file_is_refused_and_rebuilt(urls, tmp_path) -> None:
