@@ -9,7 +9,7 @@ import time
 
 import msgpack
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import wdsraft as wds
@@ -99,12 +99,17 @@ _runs: dict[str, tuple[list, list]] = {}
 
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(kill=st.integers(0, N), where=st.sampled_from(["threads in the workers", "processes after the loader"]))
+@example(kill=7, where="threads in the workers")
+@example(kill=12, where="processes after the loader")
 def test_resumes_through_two_workers(urls, kill, where) -> None:
     def make():
+        # (workers snapshot every 2 steps: restores load the workers' stage states taken mid-stream)
         if where == "threads in the workers":
             dataset = _base(urls, shardshuffle=3).parallel_filter_map(odd_only, max_workers=2, prefetch_factor=2)
-            return wds.WebLoader(dataset.to_tuple("__key__", "sq"), batch_size=None, num_workers=2)
-        loader = wds.WebLoader(_base(urls, shardshuffle=3), batch_size=None, num_workers=2)
+            return wds.WebLoader(
+                dataset.to_tuple("__key__", "sq"), batch_size=None, num_workers=2, snapshot_every_n_steps=2
+            )
+        loader = wds.WebLoader(_base(urls, shardshuffle=3), batch_size=None, num_workers=2, snapshot_every_n_steps=2)
         return loader.parallel_map(square, max_workers=2, prefetch_factor=2, executor="process").to_tuple(
             "__key__", "sq"
         )
