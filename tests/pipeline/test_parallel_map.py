@@ -156,3 +156,12 @@ def test_bad_arguments_are_refused() -> None:
         wds.parallel_map(square, executor="gpu")
     with pytest.raises(ValueError, match="max_workers"):
         wds.parallel_map(square, max_workers=0)
+
+
+def test_items_without_a_position_make_the_state_refused_by_name(urls) -> None:
+    """Batches made inside the pipeline have no position in the shards: in flight, they cannot be saved."""
+    mapped = _base(urls).to_tuple("__key__").batched(2).parallel_map(len, max_workers=2)
+    iterator = iter(mapped)
+    next(iterator)
+    with pytest.raises(wds.StateMismatchError, match=r"cannot save stage \d+ \(parallel_map\): items in flight"):
+        mapped.state_dict()
