@@ -231,6 +231,19 @@ def test_cache_second_epoch_reads_no_shard(urls, tmp_path, shard_opens, on_disk)
         assert shard_opens == []
 
 
+def test_cached_samples_changed_downstream_stay_as_cached(urls) -> None:
+    """A stage after the cache that sets a field in place changes neither the cache nor the next pass."""
+
+    def shout(sample):
+        sample["txt"] = sample["txt"] + b"!"
+        return sample
+
+    dataset = _base(urls[:1]).cache().map(shout).to_tuple("txt")
+    first = list(dataset)
+    assert first == [(f"{n}!".encode(),) for n in range(7)]
+    assert list(dataset) == first == list(dataset)
+
+
 @pytest.mark.parametrize("on_disk", [False, True])
 def test_cache_resumes_at_every_step_in_both_phases(urls, tmp_path, on_disk) -> None:
     """A restore builds a fresh pipeline, whose in-memory cache is empty: it is rebuilt and checked."""

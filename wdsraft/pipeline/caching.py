@@ -48,6 +48,16 @@ def _step(digest: str, item: Any, address: Address | None) -> str:
     return hashlib.blake2b(bytes.fromhex(digest) + material, digest_size=16).hexdigest()
 
 
+def _copy(item: Any) -> Any:
+    """A copy of a sample's dict (or list) of fields, so that a stage after the cache that sets a field in
+    place (``sample["txt"] = ...``) changes neither the cache nor later passes; the field values are shared."""
+    if isinstance(item, dict):
+        return dict(item)
+    if isinstance(item, list):
+        return list(item)
+    return item
+
+
 class cache(Curried, Stage):
     """Hand out the first pass's items again in later passes, from memory or from files in ``directory``.
 
@@ -118,7 +128,7 @@ class cache(Curried, Stage):
             address = tracker.address()
             self._running = _step(self._running, item, address)
             if whole:
-                items.append(item)
+                items.append(_copy(item))  # (stages after this one may change the item they get)
                 addresses.append(address)
             self._index += 1
             yield item
@@ -140,7 +150,7 @@ class cache(Curried, Stage):
             else:
                 ctx.provenance = None
             self._index = index + 1
-            yield filled.items[index]
+            yield _copy(filled.items[index])
 
     def _rebuild(self, ctx: Context, src: Iterator[Any]) -> None:
         """Read the whole pass from upstream again, and check it is the one the cache held."""
@@ -156,7 +166,7 @@ class cache(Curried, Stage):
         for item in src:
             address = tracker.address()
             digest = _step(digest, item, address)
-            items.append(item)
+            items.append(_copy(item))
             addresses.append(address)
         if digest != self._expected:
             raise StateMismatchError(
