@@ -88,7 +88,14 @@ from wdsraft.llm.tokenize_stage import tokenize
 from wdsraft.llm.tokenizers import as_tokenizer
 from wdsraft.mix import RandomMix, RoundRobin
 from wdsraft.pipeline import DataPipeline, Stage
+
+# the LLM dataset toolbox (epochraft's names), checkpointable; ``wds.cache`` stays webdataset's module, and
+# ``enumerate`` is left out of __all__ (a star import would hide the builtin)
+from wdsraft.pipeline.caching import cache as cache_samples
+from wdsraft.pipeline.concat import ConcatDatasets, concat_datasets
 from wdsraft.pipeline.ends import EvenEnds, even_ends, until_all_ranks_end
+from wdsraft.pipeline.parallel import parallel_filter_map, parallel_map
+from wdsraft.pipeline.toolbox import enumerate, stride, take  # noqa: F401 - enumerate: see above
 from wdsraft.shardlists import (
     MultiShardSample,
     ResampledShards,
@@ -108,6 +115,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Cached",
+    "ConcatDatasets",
     "ConsumedSet",
     "Continue",
     "DataPipeline",
@@ -149,9 +157,11 @@ __all__ = [
     "associate",
     "batched",
     "build_index",
+    "cache_samples",
     "chunk",
     "collate_sequences",
     "concat_chunk",
+    "concat_datasets",
     "decode",
     "detshuffle",
     "ensure_bos_eos",
@@ -174,6 +184,8 @@ __all__ = [
     "open_shard",
     "pack_bestfit",
     "pad",
+    "parallel_filter_map",
+    "parallel_map",
     "pipe_cleaner",
     "pipelinefilter",
     "pytorch_weights_only",
@@ -190,6 +202,8 @@ __all__ = [
     "slice",
     "split_by_node",
     "split_by_worker",
+    "stride",
+    "take",
     "tarfile_samples",
     "tarfile_to_samples",
     "tenbin",

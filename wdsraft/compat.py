@@ -24,6 +24,7 @@ from webdataset.handlers import reraise_exception
 
 from wdsraft import filters, llm
 from wdsraft.core.state import describe
+from wdsraft.pipeline import caching, parallel, toolbox
 from wdsraft.pipeline.datapipeline import DataPipeline
 from wdsraft.pipeline.decode import DecodeStage
 from wdsraft.pipeline.ends import EvenEnds
@@ -73,6 +74,30 @@ class FluidInterface(WebdatasetFluidInterface):
 
     def rsample(self, p: float = 0.5) -> Any:
         return self.compose(filters.rsample(p))
+
+    # -- the toolbox (epochraft's names) --
+
+    def take(self, n: int) -> Any:
+        return self.compose(toolbox.take(n))
+
+    def stride(self, k: int, offset: int = 0) -> Any:
+        return self.compose(toolbox.stride(k, offset))
+
+    def enumerate(self, count_column: str = "step") -> Any:
+        return self.compose(toolbox.enumerate(count_column))
+
+    def cache(self, directory: Any = None) -> Any:
+        return self.compose(caching.cache(directory))
+
+    def parallel_map(
+        self, fn: Any, max_workers: int | None = None, prefetch_factor: int = 10, executor: str = "thread"
+    ) -> Any:
+        return self.compose(parallel.parallel_map(fn, max_workers, prefetch_factor, executor))
+
+    def parallel_filter_map(
+        self, fn: Any, max_workers: int | None = None, prefetch_factor: int = 10, executor: str = "thread"
+    ) -> Any:
+        return self.compose(parallel.parallel_filter_map(fn, max_workers, prefetch_factor, executor))
 
     # -- LLM stages (epochraft's names) --
 

@@ -96,8 +96,8 @@ class _Pass:
         between = self.stages[self.source_index + 1 : index]
         source = self.ctx.source  # (no reference to the pass itself: it would make a cycle through ctx)
 
-        def invoke(stage: Any, stream: Iterator[Any]) -> Iterator[Any]:
-            return stage.replay(stream) if isinstance(stage, Stage) else invoke_stage(stage, stream)
+        def invoke(stage: Any, stream: Iterator[Any], at: Address) -> Iterator[Any]:
+            return stage.replay_at(stream, at) if isinstance(stage, Stage) else invoke_stage(stage, stream)
 
         def rematerialize(addresses: list[Address]) -> list[Any]:
             assert source is not None
@@ -106,7 +106,7 @@ class _Pass:
             for raw, address in zip(raws, addresses, strict=False):
                 stream: Any = iter([raw])
                 for stage in between:
-                    stream = invoke(stage, stream)
+                    stream = invoke(stage, stream, (*address[:-1], 0))
                 produced = list(islice(stream, address[-1] + 1))
                 if len(produced) <= address[-1]:
                     raise StateMismatchError(f"re-reading item {address} gave nothing: are the stages deterministic?")

@@ -100,6 +100,11 @@ class Stage:
             "from their sources; move buffering stages (shuffle) before it"
         )
 
+    def replay_at(self, src: Iterator[Any], address: Address) -> Iterator[Any]:
+        """``replay`` for the items made from the one raw item at ``address`` (sub-index 0): for stages
+        whose output depends on where an item was, not only on what it is (``enumerate``'s count)."""
+        return self.replay(src)
+
     #: Index of this stage in its pipeline (set by the pipeline at the start of an iteration).
     index = -1
     #: Whether it can hold items between outputs (False: a ``WebLoader`` keeps no snapshots for re-reading them).
