@@ -88,6 +88,7 @@ from wdsraft.llm.tokenizers import as_tokenizer
 from wdsraft.mix import RandomMix, RoundRobin
 from wdsraft.pipeline import DataPipeline, Stage
 from wdsraft.pipeline.ends import until_all_ranks_end
+from wdsraft.pipeline.interleave import Interleave, interleave_datasets
 from wdsraft.shardlists import (
     MultiShardSample,
     ResampledShards,
@@ -115,6 +116,7 @@ __all__ = [
     "FluidInterface",
     "FluidWrapper",
     "IndexFormatError",
+    "Interleave",
     "LMDBCached",
     "LRUCleanup",
     "Ledger",
@@ -162,6 +164,7 @@ __all__ = [
     "ignore_and_stop",
     "imagehandler",
     "info",
+    "interleave_datasets",
     "map",
     "map_dict",
     "map_tuple",
