@@ -1,0 +1,93 @@
+"""Throughput of a mixed pipeline against a single-source one over the same shards.
+
+    python benchmarks/mix_throughput.py [--shards 24] [--per-shard 500] [--sample-bytes 2048]
+                                        [--batch 32] [--workers 0] [--rounds 5]
+
+The shards are split in three sources (a third each). The single-source pipeline reads all of them,
+``WebDataset(urls).batched(B)``; the mixed one reads the three thirds through
+``interleave_datasets([...], weights=[1, 1, 1], stop="all_exhausted")`` and then ``batched(B)``: the same
+samples, the same bytes, plus the mixer's draws, its per-source passes and its states. Both run the whole
+epoch (in the training process, or under a ``WebLoader`` with ``--workers``); the runs alternate, single
+then mixed, ``--rounds`` times, and the best of each is kept, so a machine under load slows both alike.
+Reported: samples/s of each and their ratio (mixed / single).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import wdsraft as wds
+
+
+def write_shards(directory: Path, shards: int, per_shard: int, sample_bytes: int) -> list[str]:
+    payload = os.urandom(sample_bytes)
+    with wds.ShardWriter(str(directory / "mix-%04d.tar"), maxcount=per_shard, verbose=0) as sink:
+        for number in range(shards * per_shard):
+            sink.write({"__key__": f"{number:09d}", "bin": payload, "json": {"n": number}})
+    return sorted(str(path) for path in directory.glob("mix-*.tar"))
+
+
+def single(urls: list[str], batch: int) -> Any:
+    return wds.WebDataset(urls, shardshuffle=False).batched(batch)
+
+
+def mixed(urls: list[str], batch: int) -> Any:
+    thirds = [urls[k::3] for k in range(3)]
+    sources = [wds.WebDataset(part, shardshuffle=False) for part in thirds]
+    mixture = wds.interleave_datasets(sources, [1, 1, 1], seed=0, stop="all_exhausted")
+    return wds.DataPipeline(mixture, wds.batched(batch))
+
+
+def samples_per_second(make: Callable[[], Any], workers: int) -> tuple[float, int]:
+    dataset = make()
+    iterable = wds.WebLoader(dataset, batch_size=None, num_workers=workers) if workers else dataset
+    start, count = time.perf_counter(), 0
+    for batch in iterable:
+        count += len(batch["__key__"])
+    return count / (time.perf_counter() - start), count
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shards", type=int, default=24)
+    parser.add_argument("--per-shard", type=int, default=500)
+    parser.add_argument("--sample-bytes", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--workers", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    warnings.simplefilter("ignore", UserWarning)
+    directory = Path(tempfile.mkdtemp(prefix="wdsraft-mix-"))
+    try:
+        urls = write_shards(directory, args.shards, args.per_shard, args.sample_bytes)
+        rates: dict[str, list[float]] = {"single source": [], "3-source mixture": []}
+        counts = set()
+        for _ in range(args.rounds):
+            for name, make in (("single source", single), ("3-source mixture", mixed)):
+                rate, count = samples_per_second(lambda make=make: make(urls, args.batch), args.workers)
+                rates[name].append(rate)
+                counts.add(count)
+        assert len(counts) == 1, f"the pipelines read different numbers of samples: {counts}"
+        best = {name: max(values) for name, values in rates.items()}
+        where = f"{args.workers} DataLoader workers" if args.workers else "the training process"
+        print(
+            f"{counts.pop()} samples of {args.sample_bytes} B in {len(urls)} shards, batches of {args.batch}, "
+            f"in {where}; best of {args.rounds}"
+        )
+        for name, rate in best.items():
+            print(f"  {name:18s} {rate:10,.0f} samples/s")
+        print(f"  mixture / single   {best['3-source mixture'] / best['single source']:10.3f}")
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
