@@ -152,7 +152,7 @@ def test_tokens_of_a_repeated_source_are_delivered_once_per_pass(tmp_path, docum
                 break
         return mode, ledger.checkpoint(loader, step)
 
-    mode, saved = deliver(wds.Ledger(path, run="r1"), _token_loader(documents, encoding, [1, 3], 64, 2), None, 5)
+    mode, saved = deliver(wds.Ledger(path, run="r1"), _token_loader(documents, encoding, [1, 6], 64, 2), None, 7)
     assert any("#pass=1" in key for key, _, _ in tokens)
     mode, saved = deliver(wds.Ledger(path, run="r2"), _token_loader(documents, encoding, [3, 1], 48, 3), saved, None)
     assert mode == "elastic"

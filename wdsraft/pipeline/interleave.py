@@ -6,10 +6,11 @@ still going. A source that runs out starts its next pass (up to ``repeats``); on
 all done is *exhausted*: with ``stop="first_exhausted"`` the mixture ends there, with
 ``"all_exhausted"`` the source leaves the draw and the others go on.
 
-**State.** The mixer's generator, and per source its pass, how many items that pass gave, and the
-source's own ``state_dict()`` (see ``nested.SnapshotSource`` for items that stages after the mixture
-hold). The generator is seeded from ``(seed, epoch, rank, worker)``: each epoch, and each DataLoader
-worker (whose sources read their own share of the shards), draws its own sequence.
+**State.** The mixer's draws are a counter-based generator (splitmix64 of a key and the draw's number):
+its state is two ints. The key comes from ``(seed, epoch, rank, worker)``: each epoch, and each
+DataLoader worker (whose sources read their own share of the shards), draws its own sequence. Per
+source the state holds its pass, how many items that pass gave, and the source's own ``state_dict()``
+(see ``nested.SnapshotSource`` for items that stages after the mixture hold).
 
 **Passes and the ledger.** Pass ``p`` of a source in epoch ``e`` runs the source's own epoch
 ``pass_epoch(e, p)`` (a pairing of the two, so that every pass shuffles its own way). Dict items get
@@ -23,21 +24,21 @@ from __future__ import annotations
 
 import bisect
 import logging
-import random
 from collections.abc import Container, Iterator, Mapping, Sequence
 from typing import Any
 
 from wdsraft.core.errors import StateMismatchError
 from wdsraft.core.fields import PASS_FIELD, SOURCE_FIELD, pass_key
-from wdsraft.core.state import describe, pack_rng, unpack_rng
+from wdsraft.core.state import describe, make_seed
 from wdsraft.pipeline.datapipeline import DataPipeline
 from wdsraft.pipeline.nested import END, SnapshotSource
 from wdsraft.pipeline.source import SkipSet
-from wdsraft.pipeline.stage import Context, unresumable_state
+from wdsraft.pipeline.stage import Context, SourceStage, unresumable_state
 
 logger = logging.getLogger(__name__)
 
 STOPS = ("first_exhausted", "all_exhausted")
+_MASK = (1 << 64) - 1
 
 
 def pass_epoch(epoch: int, pass_number: int) -> int:
@@ -84,12 +85,12 @@ class _Feed:
         self.pass_number = 0
         self.count = 0  # items the current pass gave
         self.done = False
-        self._iterator: Iterator[Any] | None = None
+        self.iterator: Iterator[Any] | None = None
         self._epoch = 0
         self._skip: SkipSet | None = None
 
     def begin(self, epoch: int, skip: SkipSet | None, saved: dict[str, Any] | None) -> None:
-        self._epoch, self._skip, self._iterator = epoch, skip, None
+        self._epoch, self._skip, self.iterator = epoch, skip, None
         if saved is None:
             self.pass_number, self.count, self.done = 0, 0, False
             return
@@ -97,7 +98,7 @@ class _Feed:
         if saved["state"] is not None:  # mid-pass: the source goes on from its own state
             self._prepare_pass()
             self.dataset.load_state_dict(saved["state"])
-            self._iterator = iter(self.dataset)
+            self.iterator = iter(self.dataset)
 
     def _prepare_pass(self) -> None:
         epoch = pass_epoch(self._epoch, self.pass_number)
@@ -117,17 +118,17 @@ class _Feed:
     def next(self) -> Any:
         """The next item of this source, starting passes as needed; ``END`` once its passes are done."""
         while not self.done:
-            if self._iterator is None:
+            if self.iterator is None:
                 if self.repeats is not None and self.pass_number >= self.repeats:
                     self.done = True
                     break
                 self._prepare_pass()
-                self._iterator = iter(self.dataset)
-            item = next(self._iterator, END)
+                self.iterator = iter(self.dataset)
+            item = next(self.iterator, END)
             if item is not END:
                 self.count += 1
                 return item
-            self._iterator = None
+            self.iterator = None
             if self.count == 0 and not self._skipped_some():
                 # Nothing in this pass and nothing consumed of it before: the next would be as empty.
                 if self.repeats is None or self.pass_number + 1 < self.repeats:
@@ -147,7 +148,7 @@ class _Feed:
         return self._skip is not None and PassSkip(self._skip, self.pass_number).records_anything()
 
     def state(self) -> dict[str, Any]:
-        if self._iterator is None:
+        if self.iterator is None:
             state: Any = None  # (between two passes: the next starts afresh)
         elif callable(getattr(self.dataset, "state_dict", None)):
             state = self.dataset.state_dict()
@@ -162,6 +163,9 @@ class _Feed:
 class InterleaveSource(SnapshotSource):
     """The mixture as a pipeline's source stage (what :func:`interleave_datasets` runs)."""
 
+    # (its whole state is every source's: taken every 64 items, it costs under a microsecond per item)
+    snapshot_every = 64
+
     def __init__(self, datasets: Sequence[Any], weights: Sequence[float], seed: int, stop: str, repeats: list[Any]):
         super().__init__()
         self.datasets = list(datasets)
@@ -172,7 +176,8 @@ class InterleaveSource(SnapshotSource):
         self._feeds = [_Feed(i, d, r) for i, (d, r) in enumerate(zip(self.datasets, repeats, strict=True))]
         self._live: list[int] = []
         self._bounds: list[float] = []
-        self._rng = random.Random(0)
+        self._key = 0
+        self._draws = 0
 
     def config(self) -> dict[str, Any]:
         configs = []
@@ -193,10 +198,11 @@ class InterleaveSource(SnapshotSource):
             feed.begin(ctx.epoch, ctx.skip, feed_state)
         if state is None:
             info = ctx.info
-            self._rng = random.Random(f"wdsraft.interleave/{self.seed}/{ctx.epoch}/{info.rank}/{info.worker}")
+            self._key = make_seed("wdsraft.interleave", self.seed, ctx.epoch, info.rank, info.worker)
+            self._draws = 0
             self._set_live([feed.index for feed in self._feeds if self.weights[feed.index] > 0])
         else:
-            self._rng = unpack_rng(state["rng"])
+            self._key, self._draws = state["key"], state["draws"]
             self._set_live(list(state["live"]))
 
     def _set_live(self, live: list[int]) -> None:
@@ -208,11 +214,22 @@ class InterleaveSource(SnapshotSource):
         self._bounds = bounds
 
     def fetch(self) -> Any:
-        while self._live:
-            draw = self._rng.random() * self._bounds[-1]
-            position = min(bisect.bisect_right(self._bounds, draw), len(self._live) - 1)
-            feed = self._feeds[self._live[position]]
-            item = feed.next()
+        live, bounds = self._live, self._bounds
+        while live:
+            # Draw number ``_draws`` of generator ``_key``: splitmix64's output function, a float in [0, 1).
+            z = (self._key + (self._draws + 1) * 0x9E3779B97F4A7C15) & _MASK
+            z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+            z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+            draw = ((z ^ (z >> 31)) >> 11) * (1.0 / (1 << 53)) * bounds[-1]
+            self._draws += 1
+            position = bisect.bisect_right(bounds, draw)
+            feed = self._feeds[live[position if position < len(live) else -1]]
+            # (the common case inline: the source's current pass goes on)
+            item = next(feed.iterator, END) if feed.iterator is not None else END
+            if item is not END:
+                feed.count += 1
+            else:
+                item = feed.next()
             if item is not END:
                 if isinstance(item, dict):
                     item[SOURCE_FIELD] = feed.index
@@ -221,12 +238,14 @@ class InterleaveSource(SnapshotSource):
             if self.stop == "first_exhausted":
                 self._set_live([])
             else:
-                self._set_live([index for index in self._live if index != feed.index])
+                self._set_live([index for index in live if index != feed.index])
+            live, bounds = self._live, self._bounds
         return END
 
     def whole_state(self) -> dict[str, Any]:
         return {
-            "rng": pack_rng(self._rng),
+            "key": self._key,
+            "draws": self._draws,
             "live": list(self._live),
             "sources": [feed.state() for feed in self._feeds],
         }
@@ -239,6 +258,13 @@ class Interleave(DataPipeline):
         super().__init__(source)
         self.datasets = source.datasets
         self.weights = source.weights
+
+    def source_stage(self) -> SourceStage | None:
+        """The mixer itself, to run as the source of a pipeline this is the first stage of (one level of
+        states less than a ``PipelineSource`` around this pipeline); None once stages or repeats were added."""
+        if len(self.pipeline) == 1 and self.repetitions == 1:
+            return self.pipeline[0]
+        return None
 
 
 def interleave_datasets(

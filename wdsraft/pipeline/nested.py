@@ -71,16 +71,17 @@ class SnapshotSource(SourceStage):
     def _items(self, ctx: Context) -> Iterator[Any]:
         # Snapshots are needed only to re-read items that stateful stages after this one hold.
         keep = any(isinstance(stage, Stage) for stage in ctx.stages[self.index + 1 :])
-        last: int | None = None
+        next_snapshot = self._fetched if keep else -1
+        fetch = self.fetch
         while True:
-            if keep and (last is None or self._fetched - last >= self.snapshot_every):
+            if self._fetched == next_snapshot:
                 self._snapshots[self._fetched] = self._quiet_state()
-                last = self._fetched
-            item = self.fetch()
+                next_snapshot += self.snapshot_every
+            item = fetch()
             if item is END:
                 return
             serial = self._fetched
-            self._fetched += 1
+            self._fetched = serial + 1
             ctx.stamp((serial, 0))
             yield item
             if len(self._snapshots) > 64:
@@ -136,6 +137,15 @@ def is_stateful_dataset(stage: Any) -> bool:
         and callable(getattr(stage, "load_state_dict", None))
         and hasattr(stage, "__iter__")
     )
+
+
+def source_stage_of(dataset: Any) -> SourceStage:
+    """The source stage that runs a checkpointable dataset as a pipeline's first stage: its own, where it
+    offers one (``source_stage()``: a mixture that is nothing more, one level of states less), else a
+    :class:`PipelineSource` around it."""
+    own = getattr(dataset, "source_stage", None)
+    stage = own() if callable(own) else None
+    return stage if isinstance(stage, SourceStage) else PipelineSource(dataset)
 
 
 class PipelineSource(SnapshotSource):
