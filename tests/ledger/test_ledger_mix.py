@@ -164,3 +164,20 @@ def test_tokens_of_a_repeated_source_are_delivered_once_per_pass(tmp_path, docum
     )
     assert tokens == expected, (sorted(tokens - expected)[:5], sorted(expected - tokens)[:5])
     assert {shard_of_key(key) for key, _, _ in tokens} == set(documents["x"] + documents["y"])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_elastic_resume_reaches_the_datasets_inside_a_random_mix(tmp_path, sources, workers) -> None:
+    """webdataset's RandomMix as a pipeline's first stage: the skip set of an elastic resume (seed changed)
+    reaches each mixed dataset's reader, so nothing is served twice (it used to stop at the outer pipeline)."""
+
+    def loader(seed: int, w: int):
+        datasets = [wds.WebDataset(sources[n], shardshuffle=10, seed=seed) for n in "ab"]
+        mix = wds.RandomMix(datasets, [2, 1], longest=True, seed=seed)
+        return wds.WebLoader(wds.DataPipeline(mix, wds.batched(3)), batch_size=None, num_workers=w)
+
+    path = str(tmp_path / "ledger")
+    _, first, saved = _run(wds.Ledger(path, run="r1"), loader(1, workers), None, 6, 0)
+    mode, rest, _ = _run(wds.Ledger(path, run="r2"), loader(2, 2 - workers), saved, None, 6)
+    assert mode == "elastic"
+    assert Counter(text for text, _ in first + rest) == Counter(f"{n}{i}" for n in "ab" for i in range(SIZES[n]))
