@@ -35,7 +35,8 @@ def _loader(sources, names: str, weights: list[float], workers: int, seed: int =
 
 
 def _served(batch) -> list[tuple[str, int]]:
-    return [(text.decode(), int(p)) for text, p in zip(batch["txt"], batch["__pass__"], strict=True)]
+    passes = batch.get("__pass__", [0] * len(batch["txt"]))  # (none outside interleave_datasets)
+    return [(text.decode(), int(p)) for text, p in zip(batch["txt"], passes, strict=True)]
 
 
 def _run(ledger, loader, saved, stop_after: int | None, step0: int) -> tuple[str, list, dict | None]:
