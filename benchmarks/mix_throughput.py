@@ -6,10 +6,12 @@
 The shards are split in three sources (a third each). The single-source pipeline reads all of them,
 ``WebDataset(urls).batched(B)``; the mixed one reads the three thirds through
 ``interleave_datasets([...], weights=[1, 1, 1], stop="all_exhausted")`` and then ``batched(B)``: the same
-samples, the same bytes, plus the mixer's draws, its per-source passes and its states. Both run the whole
-epoch (in the training process, or under a ``WebLoader`` with ``--workers``); the runs alternate, single
-then mixed, ``--rounds`` times, and the best of each is kept, so a machine under load slows both alike.
-Reported: samples/s of each and their ratio (mixed / single).
+samples, the same bytes, plus the mixer's draws, its per-source passes and its states. Two variants: the
+bare read (the worst case: nothing else per sample), and with ``decode()`` (JSON and bytes) before
+``batched``. Both run the whole epoch (in the training process, or under a ``WebLoader`` with
+``--workers``); the runs alternate, single then mixed, ``--rounds`` times, and the best of each is kept,
+so a machine under load slows both alike. Reported: samples/s of each, their ratio (mixed / single) and
+what the mixture adds per sample.
 """
 
 from __future__ import annotations
@@ -35,15 +37,16 @@ def write_shards(directory: Path, shards: int, per_shard: int, sample_bytes: int
     return sorted(str(path) for path in directory.glob("mix-*.tar"))
 
 
-def single(urls: list[str], batch: int) -> Any:
-    return wds.WebDataset(urls, shardshuffle=False).batched(batch)
+def single(urls: list[str], batch: int, decode: bool) -> Any:
+    dataset = wds.WebDataset(urls, shardshuffle=False)
+    return (dataset.decode() if decode else dataset).batched(batch)
 
 
-def mixed(urls: list[str], batch: int) -> Any:
+def mixed(urls: list[str], batch: int, decode: bool) -> Any:
     thirds = [urls[k::3] for k in range(3)]
     sources = [wds.WebDataset(part, shardshuffle=False) for part in thirds]
     mixture = wds.interleave_datasets(sources, [1, 1, 1], seed=0, stop="all_exhausted")
-    return wds.DataPipeline(mixture, wds.batched(batch))
+    return wds.DataPipeline(mixture, *([wds.decode()] if decode else []), wds.batched(batch))
 
 
 def samples_per_second(make: Callable[[], Any], workers: int) -> tuple[float, int]:
@@ -68,23 +71,28 @@ def main() -> None:
     directory = Path(tempfile.mkdtemp(prefix="wdsraft-mix-"))
     try:
         urls = write_shards(directory, args.shards, args.per_shard, args.sample_bytes)
-        rates: dict[str, list[float]] = {"single source": [], "3-source mixture": []}
+        rates: dict[tuple[str, str], list[float]] = {}
         counts = set()
         for _ in range(args.rounds):
-            for name, make in (("single source", single), ("3-source mixture", mixed)):
-                rate, count = samples_per_second(lambda make=make: make(urls, args.batch), args.workers)
-                rates[name].append(rate)
-                counts.add(count)
+            for variant, decode in (("read", False), ("read + decode", True)):
+                for name, make in (("single", single), ("mixture", mixed)):
+                    run = lambda make=make, decode=decode: make(urls, args.batch, decode)  # noqa: E731
+                    rate, count = samples_per_second(run, args.workers)
+                    rates.setdefault((variant, name), []).append(rate)
+                    counts.add(count)
         assert len(counts) == 1, f"the pipelines read different numbers of samples: {counts}"
-        best = {name: max(values) for name, values in rates.items()}
+        best = {key: max(values) for key, values in rates.items()}
         where = f"{args.workers} DataLoader workers" if args.workers else "the training process"
         print(
             f"{counts.pop()} samples of {args.sample_bytes} B in {len(urls)} shards, batches of {args.batch}, "
-            f"in {where}; best of {args.rounds}"
+            f"in {where}; best of {args.rounds}\n"
         )
-        for name, rate in best.items():
-            print(f"  {name:18s} {rate:10,.0f} samples/s")
-        print(f"  mixture / single   {best['3-source mixture'] / best['single source']:10.3f}")
+        print("| pipeline | single source, samples/s | 3-source mixture, samples/s | mixture / single | added |")
+        print("|---|---:|---:|---:|---:|")
+        for variant in ("read", "read + decode"):
+            one, mix = best[variant, "single"], best[variant, "mixture"]
+            added = (1 / mix - 1 / one) * 1e6
+            print(f"| {variant} | {one:,.0f} | {mix:,.0f} | {mix / one:.3f} | {added:.2f} us |")
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import wdsraft as wds
-from wdsraft.pipeline.interleave import pass_epoch
+from wdsraft.pipeline.interleave import pass_epoch, uniform, uniforms
 from wdsraft.testing import assert_resumes_everywhere, identity, resume, states_along
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -73,6 +73,16 @@ def test_a_source_for_ever_and_an_empty_source(sources) -> None:
     empty = wds.WebDataset(sources["b"], shardshuffle=False).select(lambda sample: False)
     mix = wds.interleave_datasets([_datasets(sources)[2], empty], stop="all_exhausted", repeats=[1, None])
     assert len(list(mix)) == SIZES["c"]
+
+
+def test_draws_do_not_depend_on_how_they_are_grouped() -> None:
+    """The mixer draws 256 at a time with numpy: the same floats as splitmix64 one by one, wherever a
+    block starts (a restore starts one at the draw it stopped at)."""
+    key = (1 << 63) - 12345
+    assert uniforms(key, 1000, 300).tolist() == [uniform(key, n) for n in range(1000, 1300)]
+    assert uniforms(key, 7, 5).tolist() == uniforms(key, 0, 12).tolist()[7:]
+    draws = uniforms(key, 0, 20000)
+    assert draws.min() >= 0 and draws.max() < 1 and abs(draws.mean() - 0.5) < 0.01
 
 
 def test_the_seed_decides_the_stream(sources) -> None:

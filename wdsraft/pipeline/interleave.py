@@ -6,11 +6,12 @@ still going. A source that runs out starts its next pass (up to ``repeats``); on
 all done is *exhausted*: with ``stop="first_exhausted"`` the mixture ends there, with
 ``"all_exhausted"`` the source leaves the draw and the others go on.
 
-**State.** The mixer's draws are a counter-based generator (splitmix64 of a key and the draw's number):
-its state is two ints. The key comes from ``(seed, epoch, rank, worker)``: each epoch, and each
-DataLoader worker (whose sources read their own share of the shards), draws its own sequence. Per
-source the state holds its pass, how many items that pass gave, and the source's own ``state_dict()``
-(see ``nested.SnapshotSource`` for items that stages after the mixture hold).
+**State.** The mixer's draws are a counter-based generator (splitmix64 of a key and the draw's number,
+computed 256 at a time with numpy): its state is two ints. The key comes from ``(seed, epoch, rank,
+worker)``: each epoch, and each DataLoader worker (whose sources read their own share of the
+shards), draws its own sequence. Per source the state holds its pass, how many items that pass
+gave, and the source's own ``state_dict()`` (see ``nested.SnapshotSource`` for items that stages
+after the mixture hold).
 
 **Passes and the ledger.** Pass ``p`` of a source in epoch ``e`` runs the source's own epoch
 ``pass_epoch(e, p)`` (a pairing of the two, so that every pass shuffles its own way). Dict items get
@@ -22,10 +23,11 @@ each source, pass by pass, through :class:`PassSkip`.
 
 from __future__ import annotations
 
-import bisect
 import logging
 from collections.abc import Container, Iterator, Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 from wdsraft.core.errors import StateMismatchError
 from wdsraft.core.fields import PASS_FIELD, SOURCE_FIELD, pass_key
@@ -38,7 +40,26 @@ from wdsraft.pipeline.stage import Context, SourceStage, unresumable_state
 logger = logging.getLogger(__name__)
 
 STOPS = ("first_exhausted", "all_exhausted")
-_MASK = (1 << 64) - 1
+_BLOCK = 256  # draws picked at once
+_GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+
+def uniform(key: int, number: int) -> float:
+    """Draw ``number`` of the generator ``key``: splitmix64's output function, as a float in [0, 1)."""
+    mask = (1 << 64) - 1
+    z = (key + (number + 1) * _GOLDEN) & mask
+    z = ((z ^ (z >> 30)) * _MIX1) & mask
+    z = ((z ^ (z >> 27)) * _MIX2) & mask
+    return ((z ^ (z >> 31)) >> 11) * (1.0 / (1 << 53))
+
+
+def uniforms(key: int, first: int, count: int) -> np.ndarray:
+    """Draws ``first`` to ``first + count - 1`` of the generator ``key``, as :func:`uniform` gives them
+    (numpy's uint64 arithmetic wraps as the masks do)."""
+    z = np.uint64(key) + np.arange(first + 1, first + 1 + count, dtype=np.uint64) * np.uint64(_GOLDEN)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(_MIX1)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(_MIX2)
+    return ((z ^ (z >> np.uint64(31))) >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 
 def pass_epoch(epoch: int, pass_number: int) -> int:
@@ -178,6 +199,8 @@ class InterleaveSource(SnapshotSource):
         self._bounds: list[float] = []
         self._key = 0
         self._draws = 0
+        self._picks: list[int] = []  # positions among the live sources of the draws from ``_picks_first`` on
+        self._picks_first = 0
 
     def config(self) -> dict[str, Any]:
         configs = []
@@ -212,18 +235,24 @@ class InterleaveSource(SnapshotSource):
             total += self.weights[index]
             bounds.append(total)
         self._bounds = bounds
+        self._picks, self._picks_first = [], self._draws  # (the draws ahead are picked anew among these)
+
+    def _pick_ahead(self) -> None:
+        """The positions, among the live sources, that the next ``_BLOCK`` draws pick (all at once: numpy)."""
+        if not self._live:
+            self._picks, self._picks_first = [], self._draws
+            return
+        picks = np.searchsorted(self._bounds, uniforms(self._key, self._draws, _BLOCK) * self._bounds[-1], "right")
+        self._picks, self._picks_first = np.minimum(picks, len(self._live) - 1).tolist(), self._draws
 
     def fetch(self) -> Any:
-        live, bounds = self._live, self._bounds
-        while live:
-            # Draw number ``_draws`` of generator ``_key``: splitmix64's output function, a float in [0, 1).
-            z = (self._key + (self._draws + 1) * 0x9E3779B97F4A7C15) & _MASK
-            z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-            z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
-            draw = ((z ^ (z >> 31)) >> 11) * (1.0 / (1 << 53)) * bounds[-1]
+        while self._live:
+            ahead = self._draws - self._picks_first
+            if ahead >= len(self._picks):
+                self._pick_ahead()
+                ahead = 0
+            feed = self._feeds[self._live[self._picks[ahead]]]
             self._draws += 1
-            position = bisect.bisect_right(bounds, draw)
-            feed = self._feeds[live[position if position < len(live) else -1]]
             # (the common case inline: the source's current pass goes on)
             item = next(feed.iterator, END) if feed.iterator is not None else END
             if item is not END:
@@ -238,8 +267,7 @@ class InterleaveSource(SnapshotSource):
             if self.stop == "first_exhausted":
                 self._set_live([])
             else:
-                self._set_live([index for index in live if index != feed.index])
-            live, bounds = self._live, self._bounds
+                self._set_live([index for index in self._live if index != feed.index])
         return END
 
     def whole_state(self) -> dict[str, Any]:
