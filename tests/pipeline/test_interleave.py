@@ -170,8 +170,9 @@ def test_bad_arguments_are_refused(sources) -> None:
     a, b, c = _datasets(sources)
     with pytest.raises(ValueError, match="2 weights for 3"):
         wds.interleave_datasets([a, b, c], [1, 2])
-    with pytest.raises(ValueError, match="positive sum"):
-        wds.interleave_datasets([a, b], [0, 0])
+    for weights in ([0, 0], [1, float("inf")], [1, float("nan")], [1, -1]):
+        with pytest.raises(ValueError, match="positive sum"):
+            wds.interleave_datasets([a, b], weights)
     with pytest.raises(ValueError, match="stop must be"):
         wds.interleave_datasets([a, b], stop="longest")
     with pytest.raises(ValueError, match="repeats itself"):

@@ -28,10 +28,15 @@ def pass_key(url: str, pass_number: int) -> str:
     return url if not pass_number else f"{url}#pass={int(pass_number)}"
 
 
-def shard_of_key(key: str) -> str:
-    """The shard URL of a ledger's shard key (``pass_key``'s inverse, for reading the shard itself)."""
+def split_pass_key(key: str) -> tuple[str, int]:
+    """A ledger's shard key as (shard URL, pass): ``pass_key``'s inverse."""
     head, sep, tail = key.rpartition("#pass=")
-    return head if sep and head and tail.isdigit() else key
+    return (head, int(tail)) if sep and head and tail.isdigit() else (key, 0)
+
+
+def shard_of_key(key: str) -> str:
+    """The shard URL of a ledger's shard key (for reading the shard itself)."""
+    return split_pass_key(key)[0]
 
 
 class Position(NamedTuple):

@@ -24,13 +24,14 @@ each source, pass by pass, through :class:`PassSkip`.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Container, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from wdsraft.core.errors import StateMismatchError
-from wdsraft.core.fields import PASS_FIELD, SOURCE_FIELD, pass_key
+from wdsraft.core.fields import PASS_FIELD, SOURCE_FIELD, pass_key, split_pass_key
 from wdsraft.core.state import describe, make_seed
 from wdsraft.pipeline.datapipeline import DataPipeline
 from wdsraft.pipeline.nested import END, SnapshotSource
@@ -88,12 +89,7 @@ class PassSkip:
         keys = [*getattr(self.skip, "samples", ()), *getattr(self.skip, "tokens", ())]
         if not hasattr(self.skip, "samples"):
             return True
-        return any(_pass_of_key(key) == self.pass_number for key in keys)
-
-
-def _pass_of_key(key: str) -> int:
-    head, sep, tail = key.rpartition("#pass=")
-    return int(tail) if sep and head and tail.isdigit() else 0
+        return any(split_pass_key(key)[1] == self.pass_number for key in keys)
 
 
 class _Feed:
@@ -317,8 +313,8 @@ def interleave_datasets(
     weights = [1.0] * len(datasets) if weights is None else [float(w) for w in weights]
     if len(weights) != len(datasets):
         raise ValueError(f"interleave_datasets: {len(weights)} weights for {len(datasets)} datasets")
-    if any(not w >= 0 for w in weights) or not sum(weights) > 0:
-        raise ValueError(f"interleave_datasets: weights must be >= 0 with a positive sum, not {weights}")
+    if any(not (0 <= w < math.inf) for w in weights) or not sum(weights) > 0:
+        raise ValueError(f"interleave_datasets: weights must be finite, >= 0, with a positive sum, not {weights}")
     if stop not in STOPS:
         raise ValueError(f"interleave_datasets: stop must be one of {STOPS}, not {stop!r}")
     per_source = list(repeats) if isinstance(repeats, (list, tuple)) else [repeats] * len(datasets)
