@@ -177,6 +177,12 @@ def test_bad_arguments_are_refused(sources) -> None:
         wds.interleave_datasets([a, b], stop="longest")
     with pytest.raises(ValueError, match="repeats itself"):
         wds.interleave_datasets([a, wds.WebDataset(sources["b"]).repeat(2)])
+    for inner_repeats, outer_repeats in ((2, 1), (1, 2)):
+        inner = wds.interleave_datasets(_datasets(sources)[:2], repeats=inner_repeats)
+        with pytest.raises(ValueError, match="source 0 is a mixture"):
+            wds.interleave_datasets([wds.DataPipeline(inner, wds.map(dict)), c], repeats=[outer_repeats, 1])
+    nested = wds.interleave_datasets([wds.interleave_datasets([a, b]), c])  # (no passes: allowed)
+    assert len(list(nested)) > 0
     with pytest.raises(ValueError, match="same dataset object"):
         wds.interleave_datasets([a, a])
     assert identity(next(iter(wds.interleave_datasets([a, b], [0, 1]))))  # a zero weight is never drawn

@@ -291,6 +291,15 @@ class Interleave(DataPipeline):
         return None
 
 
+def _mixture_in(dataset: Any) -> InterleaveSource | None:
+    """The mixer of a source that is (or starts with) an ``interleave_datasets`` mixture."""
+    stages = getattr(dataset, "pipeline", None)
+    first = stages[0] if isinstance(stages, list) and stages else None
+    if isinstance(first, InterleaveSource):
+        return first
+    return _mixture_in(first) if isinstance(first, DataPipeline) else None
+
+
 def interleave_datasets(
     datasets: Sequence[Any],
     weights: Sequence[float] | None = None,
@@ -325,6 +334,13 @@ def interleave_datasets(
     for index, (dataset, repeat) in enumerate(zip(datasets, per_source, strict=True)):
         if repeat is not None and (not isinstance(repeat, int) or repeat < 1):
             raise ValueError(f"interleave_datasets: repeats of source {index} must be an int >= 1 or None")
+        inner = _mixture_in(dataset)
+        if inner is not None and (repeat != 1 or any(r != 1 for r in inner.repeats)):
+            # Each level would number its passes in the same __pass__ field: the ledger could not tell them apart.
+            raise ValueError(
+                f"interleave_datasets: source {index} is a mixture, and passes on both levels cannot be recorded "
+                "apart: give the inner mixture's sources to this one (or repeat neither)"
+            )
         if getattr(dataset, "repetitions", 1) != 1:
             # Its own epochs would advance inside one pass of the mixture: passes could not name positions.
             raise ValueError(
