@@ -114,6 +114,19 @@ def test_resumes_before_every_item(sources) -> None:
     assert len(assert_resumes_everywhere(make, same_shape=False)) == 40 + 40 + 30
 
 
+def test_sources_that_drew_their_own_seeds_resume_in_later_passes(sources) -> None:
+    """Sources shuffled without a seed draw one: the mixture's states carry it, so a restored mixture's later
+    passes (begun after the restore) shuffle as the uninterrupted ones did."""
+
+    def make():
+        unseeded = [wds.WebDataset(sources[n], shardshuffle=False).shuffle(6) for n in "bc"]
+        return wds.interleave_datasets(unseeded, [1, 1], stop="all_exhausted", repeats=[2, 3])
+
+    assert len(assert_resumes_everywhere(make, kill_points=[0, 3, 17, 41], same_shape=False)) == 70
+    batches = assert_resumes_everywhere(lambda: wds.DataPipeline(make(), wds.batched(4)), same_shape=False)
+    assert len(batches) == 18
+
+
 def test_resumes_as_a_pipeline_source_with_buffers_after_it(sources) -> None:
     def make():
         mix = wds.interleave_datasets(_datasets(sources, shuffled=True), [5, 3, 2], seed=4, repeats=[1, 2, None])

@@ -266,6 +266,19 @@ class InterleaveSource(SnapshotSource):
                 self._set_live([index for index in self._live if index != feed.index])
         return END
 
+    def drawn_seed(self) -> Any:
+        # The seeds the sources drew themselves (a shuffle without a seed): a fresh mixture adopts them, so
+        # the passes it begins after a restore shuffle as the first one's would have.
+        records = [getattr(dataset, "seed_record", None) for dataset in self.datasets]
+        return {"sources": [record() if callable(record) else None for record in records]}
+
+    def adopt_seed(self, seed: Any) -> None:
+        records = seed.get("sources") if isinstance(seed, dict) else None
+        for dataset, record in zip(self.datasets, records or [], strict=False):
+            adopt = getattr(dataset, "adopt_seeds", None)
+            if record is not None and callable(adopt):
+                adopt(record)
+
     def whole_state(self) -> dict[str, Any]:
         return {
             "key": self._key,
