@@ -135,6 +135,20 @@ def test_resumes_as_a_pipeline_source_with_buffers_after_it(sources) -> None:
     assert len(assert_resumes_everywhere(make, same_shape=False)) > 20
 
 
+def test_snapshots_pruned_while_a_buffer_holds_items_still_resume(sources, monkeypatch) -> None:
+    """A whole state every item (instead of every 64): the mixer prunes its snapshots as it goes, keeping
+    the one a restore of the items the shuffle buffer holds needs."""
+    from wdsraft.pipeline.interleave import InterleaveSource
+
+    monkeypatch.setattr(InterleaveSource, "snapshot_every", 1)
+
+    def make():
+        mix = wds.interleave_datasets(_datasets(sources), [5, 3, 2], seed=4, stop="all_exhausted", repeats=[2, 2, 2])
+        return wds.DataPipeline(mix, wds.shuffle(20, seed=2), wds.batched(3))
+
+    assert len(assert_resumes_everywhere(make, kill_points=[30, 45, 52, 60], same_shape=False)) == 47
+
+
 def _loader(sources, workers: int):
     mix = wds.interleave_datasets(_datasets(sources, shuffled=True), [5, 3, 2], seed=4, repeats=[1, 2, 2])
     return wds.WebLoader(

@@ -75,6 +75,8 @@ class SnapshotSource(SourceStage):
         fetch = self.fetch
         while True:
             if self._fetched == next_snapshot:
+                if len(self._snapshots) >= 64:  # (pruned as snapshots are taken: not per item, where buffers are big)
+                    self._prune(ctx)
                 self._snapshots[self._fetched] = self._quiet_state()
                 next_snapshot += self.snapshot_every
             item = fetch()
@@ -84,13 +86,15 @@ class SnapshotSource(SourceStage):
             self._fetched = serial + 1
             ctx.stamp((serial, 0))
             yield item
-            if len(self._snapshots) > 64:
-                live = [address[0] for address in ctx.live_addresses()]
-                floor = _newest_at_or_before(self._snapshots, min(live) if live else self._fetched)
-                for old in [s for s in self._snapshots if floor is not None and s < floor]:
-                    del self._snapshots[old]
-                for old in [s for s in self._replayed if floor is None or s < floor]:
-                    del self._replayed[old]
+
+    def _prune(self, ctx: Context) -> None:
+        """Drop the snapshots (and re-fetched items) older than the newest one a restore could still need."""
+        live = [address[0] for address in ctx.live_addresses()]
+        floor = _newest_at_or_before(self._snapshots, min(live) if live else self._fetched)
+        for old in [s for s in self._snapshots if floor is not None and s < floor]:
+            del self._snapshots[old]
+        for old in [s for s in self._replayed if floor is None or s < floor]:
+            del self._replayed[old]
 
     def _quiet_state(self) -> dict[str, Any]:
         with quiet_states():  # (what cannot be restored is marked; the pipeline raises if the user asked)
