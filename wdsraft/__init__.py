@@ -94,6 +94,7 @@ from wdsraft.pipeline import DataPipeline, Stage
 from wdsraft.pipeline.caching import cache as cache_samples
 from wdsraft.pipeline.concat import ConcatDatasets, concat_datasets
 from wdsraft.pipeline.ends import EvenEnds, even_ends, until_all_ranks_end
+from wdsraft.pipeline.interleave import Interleave, interleave_datasets
 from wdsraft.pipeline.parallel import parallel_filter_map, parallel_map
 from wdsraft.pipeline.toolbox import enumerate, stride, take  # noqa: F401 - enumerate: see above
 from wdsraft.shardlists import (
@@ -126,6 +127,7 @@ __all__ = [
     "FluidInterface",
     "FluidWrapper",
     "IndexFormatError",
+    "Interleave",
     "LMDBCached",
     "LRUCleanup",
     "Ledger",
@@ -176,6 +178,7 @@ __all__ = [
     "ignore_and_stop",
     "imagehandler",
     "info",
+    "interleave_datasets",
     "map",
     "map_dict",
     "map_tuple",

@@ -16,6 +16,27 @@ OFFSET_FIELD = "__offset__"
 TOKEN_START_FIELD = "__token_start__"
 # A sequence's list of document pieces (address and token span each), carried to the batch.
 PROVENANCE_FIELD = "__provenance__"
+# Set by ``interleave_datasets`` on dict samples: the index of the source a sample came from, and that
+# source's pass (a source repeated within one epoch serves a position once per pass).
+SOURCE_FIELD = "__source__"
+PASS_FIELD = "__pass__"
+
+
+def pass_key(url: str, pass_number: int) -> str:
+    """The shard key a ledger records a position of a source's pass under: the URL for the first pass,
+    ``URL#pass=N`` for the later ones (so one epoch's consumed set tells the passes apart)."""
+    return url if not pass_number else f"{url}#pass={int(pass_number)}"
+
+
+def split_pass_key(key: str) -> tuple[str, int]:
+    """A ledger's shard key as (shard URL, pass): ``pass_key``'s inverse."""
+    head, sep, tail = key.rpartition("#pass=")
+    return (head, int(tail)) if sep and head and tail.isdigit() else (key, 0)
+
+
+def shard_of_key(key: str) -> str:
+    """The shard URL of a ledger's shard key (for reading the shard itself)."""
+    return split_pass_key(key)[0]
 
 
 class Position(NamedTuple):

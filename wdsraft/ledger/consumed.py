@@ -13,7 +13,7 @@ from typing import Any
 from pyroaring import BitMap
 
 from wdsraft.core.errors import LedgerError, StateMismatchError
-from wdsraft.core.fields import ORDINAL_FIELD, PROVENANCE_FIELD, TOKEN_START_FIELD
+from wdsraft.core.fields import ORDINAL_FIELD, PASS_FIELD, PROVENANCE_FIELD, TOKEN_START_FIELD, pass_key
 
 logger = logging.getLogger(__name__)
 
@@ -94,15 +94,22 @@ def positions_of(batch: Any) -> list[tuple[str, int, int | None, bool]]:
     """The positions a delivered batch holds: ``(shard, ordinal, token_end, whole)`` each.
 
     Works for batches of LLM sequences (``__provenance__``) and batches or single samples
-    that keep ``__url__`` and ``__ordinal__`` (webdataset's dict collation does).
+    that keep ``__url__`` and ``__ordinal__`` (webdataset's dict collation does). A sample of a later
+    pass of an ``interleave_datasets`` source (``__pass__`` > 0) is named by ``pass_key(url, pass)``.
     """
     if isinstance(batch, dict) and PROVENANCE_FIELD in batch:
         return _piece_positions(_pieces(batch))
     if isinstance(batch, dict) and "__url__" in batch and ORDINAL_FIELD in batch:
         urls, ordinals = batch["__url__"], batch[ORDINAL_FIELD]
+        # (a source that interleave_datasets repeats: its later passes are recorded apart, see pass_key)
+        passes = batch.get(PASS_FIELD)
         if isinstance(urls, str):
-            return [(urls, int(ordinals), None, True)]
-        return [(url, int(ordinal), None, True) for url, ordinal in zip(urls, ordinals, strict=True)]
+            return [(pass_key(urls, int(passes or 0)), int(ordinals), None, True)]
+        passes = [0] * len(urls) if passes is None else passes
+        return [
+            (pass_key(url, int(number)), int(ordinal), None, True)
+            for url, ordinal, number in zip(urls, ordinals, passes, strict=True)
+        ]
     raise StateMismatchError(
         "the ledger needs the position of every delivered sample: keep '__url__' and '__ordinal__' in the "
         "samples (for example to_tuple(..., '__url__', '__ordinal__') is not enough; batch dicts instead), "

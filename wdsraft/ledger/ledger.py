@@ -29,7 +29,7 @@ from typing import Any
 
 from wdsraft.core.distributed import rank_and_world_size
 from wdsraft.core.errors import LedgerError
-from wdsraft.core.fields import PROVENANCE_FIELD
+from wdsraft.core.fields import PROVENANCE_FIELD, shard_of_key
 from wdsraft.io.storage import exists
 from wdsraft.ledger.consumed import ConsumedSet, PieceOrder, _piece_positions, _pieces, positions_of
 from wdsraft.ledger.identity import Identity, ShardIdentities
@@ -141,7 +141,9 @@ class Ledger:
         # The dataset identity of every shard this process records positions in, read once per shard (its
         # index) and checked against what earlier commits recorded: positions in another dataset under the
         # same names must not count.
-        touched = {shard for consumed in self.pending.values() for shard in (*consumed.samples, *consumed.tokens)}
+        touched = {
+            shard_of_key(key) for consumed in self.pending.values() for key in (*consumed.samples, *consumed.tokens)
+        }
         self._to_record.update(self._identities.check(touched))
         commit = {
             "commit": self.commit_number + 1,
@@ -220,7 +222,7 @@ class Ledger:
         consumed = shared(compute, self._identities)
         # Each rank records the identities of the skip set in its next commit, as where each read them itself.
         checked = self._identities.checked
-        shards = {*consumed.samples, *consumed.tokens}
+        shards = {shard_of_key(key) for key in (*consumed.samples, *consumed.tokens)}
         self._to_record.update({url: found for url in shards if (found := checked.get(url)) is not None})
         return consumed
 
@@ -268,12 +270,12 @@ class Ledger:
                     self._identities.learn(commit, url)
                     last = commit if commit["epochs"] else last
             for record in (last or {}).get("epochs", {}).values():
-                recent.update(record["samples"], record["tokens"])
+                recent.update(map(shard_of_key, record["samples"]), map(shard_of_key, record["tokens"]))
         self._to_record.update(self._identities.check(recent))
 
     def _check_dataset(self, consumed: ConsumedSet) -> None:
         """Refuse, before anything is skipped, a dataset whose shards are not those the skip set names."""
-        self._to_record.update(self._identities.check({*consumed.samples, *consumed.tokens}))
+        self._to_record.update(self._identities.check({shard_of_key(k) for k in (*consumed.samples, *consumed.tokens)}))
 
     # -- checkpoints -------------------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from wdsraft.core.errors import StateMismatchError
-from wdsraft.core.fields import OFFSET_FIELD, ORDINAL_FIELD, PROVENANCE_FIELD, TOKEN_START_FIELD
+from wdsraft.core.fields import OFFSET_FIELD, ORDINAL_FIELD, PASS_FIELD, PROVENANCE_FIELD, TOKEN_START_FIELD, pass_key
 from wdsraft.llm.tokenizers import _ThreadedAdapter
 from wdsraft.pipeline.addresses import Address, pack_addresses, unpack_addresses
 from wdsraft.pipeline.stage import Context, Stage
@@ -66,7 +66,8 @@ def _document_position(item: Any, address: Address | None) -> list[Any]:
     ``WebLoader``, stages in the training process address items by loader batch), else its tar address."""
     if isinstance(item, dict) and "__url__" in item and ORDINAL_FIELD in item:
         offset = item.get(OFFSET_FIELD)
-        return [str(item["__url__"]), int(item[ORDINAL_FIELD]), None if offset is None else int(offset)]
+        url = pass_key(str(item["__url__"]), int(item.get(PASS_FIELD, 0)))  # (a later pass of a mixed source)
+        return [url, int(item[ORDINAL_FIELD]), None if offset is None else int(offset)]
     return _position(address)
 
 

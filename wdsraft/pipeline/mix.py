@@ -23,7 +23,7 @@ import numpy as np
 
 from wdsraft.core.state import describe, pack_rng, unpack_rng
 from wdsraft.pipeline.datapipeline import DataPipeline
-from wdsraft.pipeline.nested import END, SnapshotSource
+from wdsraft.pipeline.nested import END, SnapshotSource, pass_skip_on
 from wdsraft.pipeline.stage import Context, unresumable_state
 
 
@@ -63,6 +63,8 @@ class MixSource(SnapshotSource):
 
     def start(self, ctx: Context, state: dict[str, Any] | None) -> None:
         self.adopt_mix_state(state)
+        for index, dataset in enumerate(self.datasets):
+            pass_skip_on(dataset, ctx, f"dataset {index} of the mix")
         if state is None:
             self._active = list(range(len(self.datasets)))
             for dataset in self.datasets:

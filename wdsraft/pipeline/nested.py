@@ -2,9 +2,10 @@
 stage (``DataPipeline(wds.RandomMix(...), wds.shuffle(100))``), and the mixes.
 
 Their items are addressed by their number in the pass. To save items that stages after them hold (a
-shuffle buffer, a partial batch), they keep their whole state from just before each recent item, and
-save the one before the oldest item still held, plus how many items to fetch again: a restore goes
-back there and re-fetches them (bounded by what the buffers hold, not by how far into the epoch).
+shuffle buffer, a partial batch), they keep their whole state from just before every few items, and
+save the newest one at or before the oldest item still held, plus how many items to fetch again: a
+restore goes back there and re-fetches them (bounded by what the buffers hold plus ``snapshot_every``,
+not by how far into the epoch).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from wdsraft.core.errors import StateMismatchError
 from wdsraft.pipeline.addresses import Address
 from wdsraft.pipeline.stage import Context, SourceStage, Stage, quiet_states
 
@@ -23,6 +25,11 @@ class SnapshotSource(SourceStage):
     """A source that can give its whole state before any item, and restart from such a state."""
 
     needs_live_addresses = True
+
+    #: A whole state is kept before every ``snapshot_every``-th item only: a restore goes back to the newest
+    #: one at or before the oldest item still held and fetches again from there (at most this many items
+    #: more). A whole state per item cost more than the item for the mixes, whose state is several pipelines'.
+    snapshot_every = 16
 
     def __init__(self) -> None:
         self._snapshots: dict[int, dict[str, Any]] = {}
@@ -64,23 +71,30 @@ class SnapshotSource(SourceStage):
     def _items(self, ctx: Context) -> Iterator[Any]:
         # Snapshots are needed only to re-read items that stateful stages after this one hold.
         keep = any(isinstance(stage, Stage) for stage in ctx.stages[self.index + 1 :])
+        next_snapshot = self._fetched if keep else -1
+        fetch = self.fetch
         while True:
-            if keep:
+            if self._fetched == next_snapshot:
+                if len(self._snapshots) >= 64:  # (pruned as snapshots are taken: not per item, where buffers are big)
+                    self._prune(ctx)
                 self._snapshots[self._fetched] = self._quiet_state()
-            item = self.fetch()
+                next_snapshot += self.snapshot_every
+            item = fetch()
             if item is END:
-                self._snapshots.pop(self._fetched, None)
                 return
             serial = self._fetched
-            self._fetched += 1
+            self._fetched = serial + 1
             ctx.stamp((serial, 0))
             yield item
-            if len(self._snapshots) > 64:
-                live = [address[0] for address in ctx.live_addresses()]
-                oldest = min(live) if live else self._fetched
-                for old in [s for s in self._snapshots if s < oldest]:
-                    del self._snapshots[old]
-                    self._replayed.pop(old, None)
+
+    def _prune(self, ctx: Context) -> None:
+        """Drop the snapshots (and re-fetched items) older than the newest one a restore could still need."""
+        live = [address[0] for address in ctx.live_addresses()]
+        floor = _newest_at_or_before(self._snapshots, min(live) if live else self._fetched)
+        for old in [s for s in self._snapshots if floor is not None and s < floor]:
+            del self._snapshots[old]
+        for old in [s for s in self._replayed if floor is None or s < floor]:
+            del self._replayed[old]
 
     def _quiet_state(self) -> dict[str, Any]:
         with quiet_states():  # (what cannot be restored is marked; the pipeline raises if the user asked)
@@ -91,13 +105,31 @@ class SnapshotSource(SourceStage):
 
     def source_state(self, live_addresses: list[Address]) -> dict[str, Any]:
         oldest = min((address[0] for address in live_addresses), default=self._fetched)
-        snapshot = self._snapshots.get(oldest)
-        if snapshot is None:
-            snapshot, oldest = self._quiet_state(), self._fetched
-        return {"resume": snapshot, "base": oldest, "replay": self._fetched - oldest}
+        base = _newest_at_or_before(self._snapshots, oldest) if oldest < self._fetched else None
+        if base is None:  # nothing held (or nothing kept, without stateful stages after it): the state now
+            return {"resume": self._quiet_state(), "base": self._fetched, "replay": 0}
+        return {"resume": self._snapshots[base], "base": base, "replay": self._fetched - base}
 
     def rematerialize(self, addresses: list[Address]) -> list[Any]:
         return [self._replayed[address[0]] for address in addresses]
+
+
+def pass_skip_on(dataset: Any, ctx: Context, what: str) -> None:
+    """Hand an elastic resume's skip set on to a nested dataset (it runs the same epoch as the pass):
+    its own source leaves the consumed positions out. One that cannot skip is refused, not read whole."""
+    if ctx.skip is None:
+        return
+    skip_consumed = getattr(dataset, "skip_consumed", None)
+    if skip_consumed is None:
+        raise StateMismatchError(
+            f"{what} ({type(dataset).__name__}) cannot skip the samples a ledger says were consumed (an elastic "
+            "resume): use wdsraft pipelines (WebDataset, DataPipeline) there"
+        )
+    skip_consumed(ctx.skip, ctx.epoch)
+
+
+def _newest_at_or_before(snapshots: dict[int, Any], serial: int) -> int | None:
+    return max((s for s in snapshots if s <= serial), default=None)
 
 
 def is_stateful_dataset(stage: Any) -> bool:
@@ -111,6 +143,15 @@ def is_stateful_dataset(stage: Any) -> bool:
     )
 
 
+def source_stage_of(dataset: Any) -> SourceStage:
+    """The source stage that runs a checkpointable dataset as a pipeline's first stage: its own, where it
+    offers one (``source_stage()``: a mixture that is nothing more, one level of states less), else a
+    :class:`PipelineSource` around it."""
+    own = getattr(dataset, "source_stage", None)
+    stage = own() if callable(own) else None
+    return stage if isinstance(stage, SourceStage) else PipelineSource(dataset)
+
+
 class PipelineSource(SnapshotSource):
     """A checkpointable dataset (a ``DataPipeline``, a mix) as the first stage of another pipeline."""
 
@@ -120,6 +161,7 @@ class PipelineSource(SnapshotSource):
         self._iterator: Iterator[Any] | None = None
 
     def start(self, ctx: Context, state: dict[str, Any] | None) -> None:
+        pass_skip_on(self.dataset, ctx, "the pipeline's first stage")
         if state is None:
             set_epoch = getattr(self.dataset, "set_epoch", None)
             if set_epoch is not None:

@@ -15,7 +15,7 @@ from wdsraft.core.errors import StateMismatchError
 from wdsraft.core.state import STATE_FORMAT, STATE_VERSION, config_text
 from wdsraft.pipeline.addresses import Address
 from wdsraft.pipeline.client import ClientReader, client_reader_span, composed, passed_through
-from wdsraft.pipeline.nested import PipelineSource, is_stateful_dataset
+from wdsraft.pipeline.nested import is_stateful_dataset, source_stage_of
 from wdsraft.pipeline.stage import (
     Context,
     SourceStage,
@@ -42,7 +42,7 @@ class _Pass:
         self.source_index = next((i for i, s in enumerate(self.stages) if isinstance(s, SourceStage)), None)
         if self.source_index is None and self.stages and is_stateful_dataset(self.stages[0]):
             # A checkpointable dataset (a pipeline, a mix) as the first stage: a source, for this pass.
-            self.stages = [PipelineSource(self.stages[0]), *self.stages[1:]]
+            self.stages = [source_stage_of(self.stages[0]), *self.stages[1:]]
             self.source_index = 0
         if self.source_index is None:
             # A reader the client built from webdataset's pieces (url_opener + tar_file_expander + a grouper):
