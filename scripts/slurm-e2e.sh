@@ -18,6 +18,10 @@
 # 3. scripts/slurm_e2e_check.py checks, from the training's own delivery logs and committed
 #    checkpoints (not from the ledger), that each epoch consumed every sample exactly once and
 #    that the training reached its last epoch.
+# 4. examples/mixture/train_mixture.sbatch trains a three-source mixture as a 2-task array, world size 2:
+#    task 0 with the first weights, preempted at step 7; task 1 with other weights resumes elastically
+#    through the ledger to the epoch's end; `train_mixture.py --check` verifies every sample of every
+#    source was delivered once per pass.
 #
 # SLURM: the one `sinfo` answers from (set SBATCH_PARTITION/SBATCH_ACCOUNT if it needs them;
 # everything then goes to a directory under the repository, which must be on a filesystem the
@@ -530,4 +534,38 @@ if ! "$PYTHON" "$REPO/scripts/slurm_e2e_check.py" --workdir "$TRAIN" --shards "$
   --epochs "$EPOCHS" "${EXPECT[@]}"; then
   fail "the delivery logs break the promise (above)"
 fi
+# 6. A three-source mixture whose weights change between array tasks (examples/mixture): task 0 trains world
+# size 2 with the first weights and is preempted at step 7 (its last checkpoint: step 5); task 1 resumes with
+# other weights, elastically through the ledger, to the epoch's end. Checked from its delivery logs: every
+# sample of every source once per pass.
+MIX=$BASE/mixture
+BEFORE="web=5 code=3 books=2:3"
+AFTER="web=1 code=2 books=6:3"
+job=$(cd "$REPO" && WORKDIR="$MIX" WORKERS=1 CHECKPOINT_EVERY=5 SOURCES="$BEFORE" SOURCES_LATER="$AFTER" CHANGE_AT=1 \
+  TRAIN_ARGS="--stop-at-step 7" TRAIN_ARGS_LATER="" \
+  sbatch --parsable --array=0-1%1 --nodes=1 --ntasks-per-node=2 --cpus-per-task=1 --mem=1G --time=10 \
+  --output="$LOGS/%x-%A_%a.out" --open-mode=append examples/mixture/train_mixture.sbatch) \
+  || fail "sbatch examples/mixture/train_mixture.sbatch failed"
+MIX_JOB=${job%%;*}
+JOBS+=("$MIX_JOB")
+log "mixture: array job $MIX_JOB submitted (world size 2; weights $BEFORE, then $AFTER from task 1)"
+wait_until 300 "the mixture array $MIX_JOB to end" job_gone "$MIX_JOB"
+states=$(task_states "$MIX_JOB")
+if [ "$(grep -c ' COMPLETED 0:0$' <<< "$states")" != 2 ]; then
+  tail -n 20 "$LOGS/wdsraft-mixture-${MIX_JOB}_"*.out
+  fail "mixture array tasks: $(tr '\n' ';' <<< "$states")"
+fi
+grep -q "^rank 0/2 run .*: fresh start at step 0, weights web 5" "$LOGS/wdsraft-mixture-${MIX_JOB}_0.out" \
+  || fail "mixture task 0 did not start fresh with the first weights: $(tail -n 5 "$LOGS/wdsraft-mixture-${MIX_JOB}_0.out")"
+grep -q "^rank 0/2 run .*: elastic start at step 5, weights web 1" "$LOGS/wdsraft-mixture-${MIX_JOB}_1.out" \
+  || fail "mixture task 1 did not resume elastically at step 5: $(tail -n 5 "$LOGS/wdsraft-mixture-${MIX_JOB}_1.out")"
+grep -q "^rank 0/2 run .*: the epoch is done" "$LOGS/wdsraft-mixture-${MIX_JOB}_1.out" \
+  || fail "mixture task 1 did not reach the epoch's end"
+SOURCE_ARGS=()
+for source in $AFTER; do SOURCE_ARGS+=(--source "$source"); done
+"$PYTHON" "$REPO/examples/mixture/train_mixture.py" --check --workdir "$MIX" --demo-shards "$MIX/demo" \
+  "${SOURCE_ARGS[@]}" > "$LOGS/mixture-check.log" 2>&1 || fail "mixture: $(tail -n 3 "$LOGS/mixture-check.log")"
+log "mixture: task 0 fresh, preempted at step 7; task 1 elastic from step 5 with new weights to the epoch's end;" \
+  "$(tail -n 1 "$LOGS/mixture-check.log")"
+
 log "PASSED: the SLURM flow, $(($(date +%s) - START)) s"

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
+import tempfile
 import warnings
 from collections import Counter
 from datetime import timedelta
@@ -38,14 +40,25 @@ DEMO = {"web": (6, 40), "code": (4, 25), "books": (2, 15)}  # source -> (shards,
 
 
 def write_demo_shards(root: Path) -> None:
+    """Three small sources under ``root``; each written aside and renamed into place, so that ranks started
+    together (each writes them) never read a half-written one."""
     for name, (shards, per_shard) in DEMO.items():
         directory = root / name
         if directory.exists():
             continue
-        directory.mkdir(parents=True)
-        with wds.ShardWriter(str(directory / f"{name}-%03d.tar"), maxcount=per_shard, verbose=0) as sink:
+        aside = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root if root.exists() else _made(root)))
+        with wds.ShardWriter(str(aside / f"{name}-%03d.tar"), maxcount=per_shard, verbose=0) as sink:
             for number in range(shards * per_shard):
                 sink.write({"__key__": f"{number:06d}", "txt": f"{name} document {number}"})
+        try:
+            aside.rename(directory)
+        except OSError:  # another rank's copy got there first: the same bytes
+            shutil.rmtree(aside)
+
+
+def _made(root: Path) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    return root
 
 
 def parse_source(text: str) -> tuple[str, float, int | None]:
