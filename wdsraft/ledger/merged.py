@@ -8,17 +8,17 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 
 from wdsraft.core.errors import LedgerError, StateMismatchError
 from wdsraft.ledger.consumed import ConsumedSet
-from wdsraft.ledger.identity import ShardIdentities
+from wdsraft.ledger.identity import Identity, ShardIdentities
 from wdsraft.ledger.rank_file import RankFile, counted
 from wdsraft.ledger.reading import list_rank_files, parallel_map, read_bytes
-from wdsraft.ledger.snapshot import Snapshot, find_snapshot
+from wdsraft.ledger.snapshot import Snapshot, find_snapshot, late_commits
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +30,10 @@ class Merged:
     epochs: dict[int, ConsumedSet]
     snapshot: Snapshot | None  # the snapshot it started from
     files_read: int  # rank files read besides it
+    ranks: dict[str, dict[int, int]] = field(default_factory=dict)  # run -> rank -> its last commit counted
+    stale: set[str] = field(default_factory=set)  # runs of the snapshot read again for late commits
+    shards: dict[str, Identity] = field(default_factory=dict)  # the dataset identities recorded
+    unrecorded: bool = False  # some commit merged records none (an older wdsraft wrote it)
 
 
 def read_rank_files(urls: list[str], progress: str | None = None) -> Iterator[RankFile]:
@@ -51,20 +55,33 @@ def merge_under(
     commits of other runs never count."""
     snapshot = find_snapshot(path, lineage, steps) if use_snapshots and lineage else None
     epochs: dict[int, ConsumedSet] = defaultdict(ConsumedSet)
-    runs = set(lineage)
+    ranks: dict[str, dict[int, int]] = {}
+    runs, stale = set(lineage), set()
     if snapshot is not None:
         epochs.update(snapshot.epochs)
         identities.learn_recorded(snapshot.shards, snapshot.unrecorded, snapshot.url)
-        runs = snapshot.runs_to_read(lineage, steps)
+        stale = snapshot.stale(late_commits(path))
+        if stale:
+            logger.warning(
+                "ledger snapshot %s: ranks of runs %s committed within it after it was written: reading their files",
+                snapshot.url,
+                ", ".join(sorted(stale)),
+            )
+        runs = snapshot.runs_to_read(lineage, steps) | stale
+        ranks = {run: dict(per) for run, per in snapshot.ranks.items() if run not in runs}
         logger.info("ledger: read %s; %d runs after it to read", snapshot.url, len(runs))
     urls = list_rank_files(path, runs) if runs else []
     for rank_file in read_rank_files(urls, progress):
         for commit in rank_file.commits:
             if counted(commit, rank_file.run, lineage, steps):
                 identities.learn(commit, rank_file.url)
+                per_run = ranks.setdefault(rank_file.run, {})
+                per_run[rank_file.rank] = max(per_run.get(rank_file.rank, 0), commit["commit"])
                 for epoch, record in commit["epochs"].items():
                     epochs[int(epoch)].update(ConsumedSet.from_plain(record))
-    return Merged(dict(sorted(epochs.items())), snapshot, len(urls))
+    merged = Merged(dict(sorted(epochs.items())), snapshot, len(urls), ranks, stale)
+    merged.shards, merged.unrecorded = dict(identities.recorded), identities.unrecorded_seen
+    return merged
 
 
 def shared(compute: Callable[[], ConsumedSet], identities: ShardIdentities) -> ConsumedSet:

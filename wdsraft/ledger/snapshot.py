@@ -6,13 +6,22 @@ object plus the files of the runs it does not cover, instead of one file per ran
 A snapshot is trusted only where it is provably a part of what is being read: it must be whole (its
 checksum), of this ledger, and its watermark within the one read (no run outside that lineage, no run
 counted further). Otherwise it is ignored with a warning naming it, and the rank files are read.
+
+A snapshot holds a run's commits up to a step as they were when it was written. A rank that later commits
+something at a step it had already reached (a second checkpoint at one step, say) leaves a *late marker*
+first, ``PATH/late/run-RUN/rank-NNNNN.commit-N.step-S``; a snapshot that covers that step of the run but not
+that rank's commit N is stale for the run, whose files are then read again on top of it (one listing of
+``PATH/late/`` per read: late commits are rare). The snapshot records, per run, each rank's last commit it
+merged, to tell.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import posixpath
+import re
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -20,7 +29,8 @@ from dataclasses import dataclass, field
 import msgpack
 
 from wdsraft.core.errors import LedgerError
-from wdsraft.io.storage import write_bytes_atomic
+from wdsraft.io.s3 import list_objects
+from wdsraft.io.storage import local_path, write_bytes_atomic
 from wdsraft.ledger.consumed import ConsumedSet
 from wdsraft.ledger.envelope import seal, unseal
 from wdsraft.ledger.identity import Identity
@@ -29,9 +39,11 @@ from wdsraft.ledger.reading import list_under, parallel_map, read_optional
 logger = logging.getLogger(__name__)
 
 SNAPSHOT_FORMAT = "wdsraft-ledger-snapshot"
-SNAPSHOT_VERSION = 1
+SNAPSHOT_VERSION = 2  # (2: per-run rank commits; a version 1 snapshot is ignored, the files read)
 SNAPSHOT_DIR = "snapshots"
 SNAPSHOT_SUFFIX = ".snapshot"
+LATE_DIR = "late"
+_LATE_NAME = re.compile(r"rank-(\d+)\.commit-(\d+)\.step-(\d+)$")
 
 #: Snapshots read at most when none is named by the watermark itself (one per branch of rewinds, say).
 SCAN_LIMIT = 16
@@ -65,6 +77,7 @@ class Snapshot:
     shards: dict[str, Identity] = field(default_factory=dict)  # dataset identities the commits recorded
     unrecorded: bool = False  # some commit was written before identities were recorded
     url: str = ""
+    ranks: dict[str, dict[int, int]] = field(default_factory=dict)  # run -> rank -> its last commit merged
 
     def to_bytes(self) -> bytes:
         record = {
@@ -75,6 +88,7 @@ class Snapshot:
             "epochs": {str(epoch): consumed.to_plain() for epoch, consumed in self.epochs.items()},
             "shards": self.shards,
             "unrecorded": self.unrecorded,
+            "ranks": self.ranks,
         }
         return seal(SNAPSHOT_FORMAT, SNAPSHOT_VERSION, record)
 
@@ -92,6 +106,7 @@ class Snapshot:
                 dict(record["shards"]),
                 bool(record["unrecorded"]),
                 url,
+                {str(run): {int(k): int(n) for k, n in per.items()} for run, per in record["ranks"].items()},
             )
         except (KeyError, ValueError, TypeError, AttributeError) as exn:
             raise LedgerError(url, f"checksum right but not the structure of a ledger snapshot ({exn!r})") from None
@@ -120,10 +135,53 @@ class Snapshot:
                 )
         return None
 
-    def runs_to_read(self, lineage: dict[str, int], steps: dict[str, int | None] | None) -> set[str]:
-        """The runs of a watermark (that this snapshot is within) whose files hold commits it lacks."""
+    def runs_to_read(
+        self, lineage: dict[str, int], steps: dict[str, int | None] | None, late: Late | None = None
+    ) -> set[str]:
+        """The runs of a watermark (that this snapshot is within) whose files hold commits it lacks: those
+        it counts less far, and those with a late commit (see ``late_commits``) within its mark it lacks."""
         mine = marks(self.lineage, self.steps)
-        return {run for run, mark in marks(lineage, steps).items() if mine.get(run) != mark}
+        return {run for run, mark in marks(lineage, steps).items() if mine.get(run) != mark} | self.stale(late or {})
+
+    def stale(self, late: Late) -> set[str]:
+        """The runs this snapshot covers of which a rank committed, at a step within its mark, after it was
+        written: their files hold what it lacks."""
+        found = set()
+        for run, (kind, value) in marks(self.lineage, self.steps).items():
+            merged = self.ranks.get(run, {})
+            if kind == "step" and any(step <= value and merged.get(rank, 0) < n for rank, n, step in late.get(run, ())):
+                found.add(run)
+        return found
+
+
+Late = dict[str, list[tuple[int, int, int]]]  # run -> (rank, commit, step) of its late commits
+
+
+def late_marker_url(path: str, run: str, rank: int, commit: int, step: int) -> str:
+    return posixpath.join(path, LATE_DIR, f"run-{run}", f"rank-{rank:05d}.commit-{commit}.step-{step}")
+
+
+def late_commits(path: str) -> Late:
+    """The late commits of a ledger, from the names of its late markers (one listing)."""
+    found: Late = {}
+    local = local_path(path)
+    if local is not None:
+        base = os.path.join(local, LATE_DIR)
+        names = [
+            (folder, name)
+            for folder in (sorted(os.listdir(base)) if os.path.isdir(base) else [])
+            if os.path.isdir(os.path.join(base, folder))
+            for name in sorted(os.listdir(os.path.join(base, folder)))
+        ]
+    else:
+        items = list_objects(posixpath.join(path, LATE_DIR).rstrip("/") + "/")
+        names = [tuple(item.name.split("/", 1)) for item in items if item.name.count("/") == 1]  # type: ignore[misc]
+    for folder, name in names:  # (anything else there is not a marker: ignored)
+        matched = _LATE_NAME.match(name)
+        if folder.startswith("run-") and matched:
+            rank, commit, step = (int(group) for group in matched.groups())
+            found.setdefault(folder[len("run-") :], []).append((rank, commit, step))
+    return found
 
 
 def find_snapshot(path: str, lineage: dict[str, int], steps: dict[str, int | None] | None) -> Snapshot | None:
