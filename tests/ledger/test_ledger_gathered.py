@@ -44,6 +44,9 @@ def assert_same_as_files(path: str, mark: dict) -> Snapshot:
     assert {e: pairs(c) for e, c in snapshot.epochs.items()} == {e: pairs(c) for e, c in files.epochs.items()}
     assert {e: c.tokens for e, c in snapshot.epochs.items()} == {e: c.tokens for e, c in files.epochs.items()}
     assert snapshot.ranks == files.ranks and snapshot.shards == files.shards
+    assert {run: s.to_plain() for run, s in snapshot.runs.items()} == {
+        run: s.to_plain() for run, s in files.runs.items()
+    }
     return snapshot
 
 
@@ -139,10 +142,6 @@ def test_every_checkpoint_has_its_snapshot_and_a_restart_reads_one_object_in_a_g
         assert_same_as_files(path, marks[name])
     three = assert_same_as_files(path, marks["three@5"])
     assert len(pairs(three.epochs[0])) == RANKS * 2 * 5 + 2  # (a checkpoint at steps 1-5, and rank 1's extra commit)
-    # Rank 0 keeps the last 2 snapshots of a run: run one's step 1 is gone.
-    names = {Path(u).name for u in snapshot_urls(path)}
-    assert Path(snapshot_url(path, marks["one@1"]["lineage"], marks["one@1"]["steps"])).name not in names
-    assert Path(snapshot_url(path, marks["one@2"]["lineage"], marks["one@2"]["steps"])).name in names
 
 
 # -- the chain in one process: ranks' gathers played in turn through a stand-in process group ---------
@@ -173,7 +172,7 @@ def _checkpoint_all(ledgers: list[wds.Ledger], group: Group, step: int, extra: i
         ledger.record({"__url__": [f"s{ledger.rank}.tar"] * 2, "__ordinal__": [step * 10 + extra, step * 10 + 1]}, 0)
         group.rank = ledger.rank
         mark = ledger.commit(step)
-        ledger._chain.gather(ledger.rank, ledger._file.commits, mark, ledger._base(), group)  # type: ignore[union-attr]
+        ledger._chain.gather(ledger._file, mark, ledger._base(), group)  # type: ignore[arg-type]
         marks.append(mark)
     return marks[-1]
 
@@ -244,13 +243,21 @@ def _mark(mark: dict) -> dict:
     return {"lineage": mark["lineage"], "steps": mark["steps"]}
 
 
+def test_rank_zero_keeps_the_last_snapshots_of_its_run(tmp_path) -> None:
+    path, group = str(tmp_path / "l"), Group(RANKS)
+    ledgers = _ranks(path, "one")
+    marks = [_checkpoint_all(ledgers, group, step) for step in range(1, gathered.KEEP + 2)]
+    names = sorted(Path(u).name for u in snapshot_urls(path))
+    assert names == sorted(Path(snapshot_url(path, **_mark(m))).name for m in marks[1:])
+
+
 def test_a_payload_is_small_commits_only_since_the_last_gather(tmp_path) -> None:
     path, group = str(tmp_path / "l"), Group(RANKS)
     ledgers = _ranks(path, "one")
     _checkpoint_all(ledgers, group, 1)
     _checkpoint_all(ledgers, group, 2)
-    rank, commits = msgpack.unpackb(group.left[1], raw=False)
-    assert rank == 1 and [c["commit"] for c in commits] == [2]
+    rank, world_size, commits, _ = msgpack.unpackb(group.left[1], raw=False)
+    assert (rank, world_size) == (1, RANKS) and [c["commit"] for c in commits] == [2]
 
 
 def test_a_chain_that_cannot_start_writes_no_snapshot_and_training_goes_on(tmp_path, monkeypatch, caplog) -> None:

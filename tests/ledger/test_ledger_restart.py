@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
 import wdsraft as wds
+from wdsraft.cli import main
 from wdsraft.core.errors import StateMismatchError
-from wdsraft.ledger import identity
+from wdsraft.ledger import RankFile, identity, merged
 
 WORLD = 4
 
@@ -74,3 +76,77 @@ def test_one_rank_checks_every_shard(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(identity, "identity_of", lambda url: reads.append(url))
     wds.Ledger(path, run="two", rank=0, world_size=1)._skip_set(0, mark["lineage"], mark["steps"])
     assert sorted(reads) == shards
+
+
+# -- ledger show (merge, export) from the snapshot written last ------------------------------------
+
+RANKS = 3
+
+
+def _run(path: str, run: str, mark: dict | None, steps: tuple[int, ...] = (1, 2)) -> dict:
+    """A run of RANKS ranks resuming from ``mark``, each rank committing 2 samples of its shard per step."""
+    for rank in range(RANKS):
+        ledger = wds.Ledger(path, run=run, rank=rank, world_size=RANKS)
+        if mark:
+            ledger.lineage, ledger.lineage_steps = dict(mark["lineage"]), dict(mark["steps"])
+        for step in steps:
+            ledger.record({"__url__": [f"s{rank}.tar"] * 2, "__ordinal__": [2 * step, 2 * step + 1]}, epoch=0)
+            last = ledger.commit(step=step)
+    return last
+
+
+def _show(capsys, path: str, *extra: str) -> tuple[int, list[str]]:
+    code = main(["ledger", "show", path, *extra])
+    return code, [line for line in capsys.readouterr().out.splitlines() if not line.startswith("read: ")]
+
+
+def test_show_reads_the_latest_snapshot_and_only_the_files_it_cannot_vouch_for(tmp_path, monkeypatch, capsys) -> None:
+    path = str(tmp_path / "l")
+    mark = _run(path, "a", None)
+    mark = _run(path, "b", mark, steps=(3, 4))
+    assert main(["ledger", "compact", path]) == 0
+    capsys.readouterr()
+    read: list[str] = []
+    real = merged.read_bytes
+    monkeypatch.setattr(merged, "read_bytes", lambda url: (read.append(url), real(url))[1])
+
+    def same_as_every_file(*extra: str) -> list[str]:
+        read.clear()
+        fast = _show(capsys, path, "--shards", *extra)
+        files_read = list(read)
+        assert fast == _show(capsys, path, "--shards", "--every-file", *extra)
+        return files_read
+
+    assert same_as_every_file() == []  # every run as the snapshot recorded it: no rank file read
+    assert same_as_every_file("--lineage", "a=2@2,b=2@4") == []
+
+    # A run the snapshot does not cover is read; then a rank of the newest run it covers commits again:
+    # that run's files are listed, one differs in size, and the run is read.
+    _run(path, "c", mark, steps=(5,))
+    assert sorted(Path(u).parent.name for u in same_as_every_file()) == ["run-c"] * RANKS
+    url = f"{path}/run-b/rank-00001.ledger"
+    rank_one = RankFile.parse(url, Path(url).read_bytes())
+    rank_one.commits.append(dict(rank_one.commits[-1], commit=3, step=4))  # (same step, same samples: a retry)
+    rank_one.save()
+    assert sorted(Path(u).parent.name for u in same_as_every_file()) == ["run-b"] * RANKS + ["run-c"] * RANKS
+
+
+def test_show_of_an_uncommitted_checkpoint_names_the_ranks_from_the_files(tmp_path, capsys) -> None:
+    """The run is taken from the snapshot; refusing a checkpoint of a step not every rank committed reads
+    its files to name the ranks that lack it."""
+    import json
+
+    path = str(tmp_path / "l")
+    _run(path, "a", None)
+    ledger = wds.Ledger(path, run="a", rank=0, world_size=RANKS)
+    url = f"{path}/run-a/rank-00000.ledger"
+    ledger._file = RankFile.parse(url, Path(url).read_bytes())
+    ledger.commit_number = len(ledger._file.commits)
+    ledger.record({"__url__": ["s0.tar"], "__ordinal__": [9]}, epoch=0)
+    uncommitted = ledger.commit(step=3)
+    assert main(["ledger", "compact", path]) == 0
+    checkpoint = tmp_path / "c.json"
+    checkpoint.write_text(json.dumps({"data": {"ledger": uncommitted}}))
+    capsys.readouterr()
+    assert main(["ledger", "show", path, "--checkpoint", str(checkpoint)]) == 1
+    assert "step 3 of run a, which not every rank committed (ranks [1, 2]" in capsys.readouterr().err

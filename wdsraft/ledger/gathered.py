@@ -23,13 +23,13 @@ from wdsraft.io.storage import remove
 from wdsraft.ledger.consumed import ConsumedSet
 from wdsraft.ledger.identity import Identity, ShardIdentities
 from wdsraft.ledger.merged import Merged, merge_under
-from wdsraft.ledger.rank_file import counted
+from wdsraft.ledger.rank_file import RankFile, RunSummary, commit_entries, counted
 from wdsraft.ledger.snapshot import Snapshot, write_snapshot
 
 logger = logging.getLogger(__name__)
 
 #: Snapshots of one run rank 0 keeps (a resume from the checkpoint before the last still reads one object).
-KEEP = 2
+KEEP = 3
 
 
 def process_group() -> Any:
@@ -59,6 +59,7 @@ class SnapshotChain:
         self.path = path
         self.run = run
         self.sent = 0  # this rank's commits sent to rank 0 so far
+        self.seen: set[int] = set()  # the marks (steps) of those
         self.started = False  # (rank 0) the base read
         self.broken = False  # (rank 0) no more snapshots for this run
         self.epochs: dict[int, ConsumedSet] = defaultdict(ConsumedSet)
@@ -66,17 +67,18 @@ class SnapshotChain:
         self.shards: dict[str, Identity] = {}
         self.unrecorded = False
         self.held: list[tuple[int, dict[str, Any]]] = []  # (rank, commit) not counted yet by a watermark
+        self.runs: dict[str, RunSummary] = {}  # (rank 0) the summaries of the runs covered, this one's too
         self.written: list[str] = []  # this run's snapshots, oldest first
         #: (rank 0) the last snapshot written, for tests and logs.
         self.last_url: str | None = None
 
-    def gather(
-        self, rank: int, commits: list[dict[str, Any]], watermark: dict[str, Any], base: Merged | None, dist: Any
-    ) -> None:
-        """Collective: send this rank's new ``commits`` to rank 0, which writes the snapshot of ``watermark``.
+    def gather(self, rank_file: RankFile, watermark: dict[str, Any], base: Merged | None, dist: Any) -> None:
+        """Collective: send this rank's new commits to rank 0, which writes the snapshot of ``watermark``.
         ``base``: what rank 0 read of the run's parent watermark at resume, if it read it."""
-        payload = msgpack.packb([rank, commits[self.sent :]], use_bin_type=True)
-        self.sent = len(commits)
+        new = rank_file.commits[self.sent :]
+        summary = [rank_file.size, len(rank_file.commits), commit_entries(new, self.seen), rank_file.parents()]
+        payload = msgpack.packb([rank_file.rank, rank_file.world_size, new, summary], use_bin_type=True)
+        self.sent = len(rank_file.commits)
         received: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(payload, received, dst=0)
         if received is None or self.broken:
@@ -92,8 +94,11 @@ class SnapshotChain:
         if not self.started:
             self._start({r: c for r, c in lineage.items() if r != self.run}, steps, base)
         for raw in received:
-            rank, commits = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+            rank, world_size, commits, (size, count, entries, parent) = msgpack.unpackb(
+                raw, raw=False, strict_map_key=False
+            )
             self.held += [(rank, commit) for commit in commits]
+            self.runs.setdefault(self.run, RunSummary(self.run, world_size)).add(rank, size, count, entries, parent)
         waiting = []
         for rank, commit in self.held:
             if not counted(commit, self.run, lineage, steps):  # (a rank ahead of this watermark: a later one)
@@ -114,6 +119,7 @@ class SnapshotChain:
             dict(self.shards),
             self.unrecorded,
             ranks=self.ranks,
+            runs=self.runs,
         )
         try:
             url = write_snapshot(snapshot)
@@ -145,4 +151,5 @@ class SnapshotChain:
             )
         self.epochs.update(copy_epochs(base.epochs))
         self.ranks = {run: dict(per) for run, per in base.ranks.items()}
+        self.runs = {run: summary for run, summary in base.runs.items() if run != self.run}
         self.shards, self.unrecorded = dict(base.shards), base.unrecorded

@@ -252,6 +252,7 @@ class Ledger:
             recorded,
             self._identities.unrecorded_seen,
             ranks=merged.ranks,
+            runs=merged.runs,
         )
 
     def _write_snapshot(self, merged: Merged, lineage: dict[str, int], steps: dict[str, int | None] | None) -> None:
@@ -322,7 +323,7 @@ class Ledger:
         watermark["epoch"] = _epoch_of(loader) if epoch is None else epoch
         dist = process_group()
         if dist is not None and self._file is not None:  # (every rank checkpoints at the same points)
-            self._chain.gather(self.rank, self._file.commits, watermark, self._base(), dist)
+            self._chain.gather(self._file, watermark, self._base(), dist)
         return {"loader": state, "ledger": watermark}
 
     def _base(self) -> Merged | None:

@@ -5,9 +5,10 @@ parallel. Under torch.distributed, one rank reads and hands the result to the ot
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +17,7 @@ import msgpack
 from wdsraft.core.errors import LedgerError, StateMismatchError
 from wdsraft.ledger.consumed import ConsumedSet
 from wdsraft.ledger.identity import Identity, ShardIdentities
-from wdsraft.ledger.rank_file import RankFile, counted
+from wdsraft.ledger.rank_file import RankFile, RunSummary, counted
 from wdsraft.ledger.reading import list_rank_files, parallel_map, read_bytes
 from wdsraft.ledger.snapshot import Snapshot, find_snapshot, late_commits
 
@@ -34,6 +35,7 @@ class Merged:
     stale: set[str] = field(default_factory=set)  # runs of the snapshot read again for late commits
     shards: dict[str, Identity] = field(default_factory=dict)  # the dataset identities recorded
     unrecorded: bool = False  # some commit merged records none (an older wdsraft wrote it)
+    runs: dict[str, RunSummary] = field(default_factory=dict)  # what the files of the lineage's runs say
 
 
 def read_rank_files(urls: list[str], progress: str | None = None) -> Iterator[RankFile]:
@@ -49,13 +51,16 @@ def merge_under(
     identities: ShardIdentities,
     use_snapshots: bool = True,
     progress: str | None = None,
+    known: Iterable[RankFile] = (),
+    have: Snapshot | None = None,
 ) -> Merged:
     """Merge what the commits counted under the watermark consumed, per epoch, learning the dataset
     identities they recorded into ``identities``. Only the runs of the lineage are listed and read: the
-    commits of other runs never count."""
-    snapshot = find_snapshot(path, lineage, steps) if use_snapshots and lineage else None
+    commits of other runs never count. ``known``, ``have``: rank files (whole) and a snapshot read already."""
+    snapshot = find_snapshot(path, lineage, steps, have) if use_snapshots and lineage else None
     epochs: dict[int, ConsumedSet] = defaultdict(ConsumedSet)
     ranks: dict[str, dict[int, int]] = {}
+    summaries: dict[str, RunSummary] = {}
     runs, stale = set(lineage), set()
     if snapshot is not None:
         epochs.update(snapshot.epochs)
@@ -69,9 +74,13 @@ def merge_under(
             )
         runs = snapshot.runs_to_read(lineage, steps) | stale
         ranks = {run: dict(per) for run, per in snapshot.ranks.items() if run not in runs}
+        summaries = {run: summary for run, summary in snapshot.runs.items() if run not in runs}
         logger.info("ledger: read %s; %d runs after it to read", snapshot.url, len(runs))
     urls = list_rank_files(path, runs) if runs else []
-    for rank_file in read_rank_files(urls, progress):
+    given = {rank_file.url: rank_file for rank_file in known}
+    fetch = [url for url in urls if url not in given]
+    for rank_file in itertools.chain((given[url] for url in urls if url in given), read_rank_files(fetch, progress)):
+        summaries.setdefault(rank_file.run, RunSummary(rank_file.run, rank_file.world_size)).add_file(rank_file)
         for commit in rank_file.commits:
             if counted(commit, rank_file.run, lineage, steps):
                 identities.learn(commit, rank_file.url)
@@ -79,8 +88,9 @@ def merge_under(
                 per_run[rank_file.rank] = max(per_run.get(rank_file.rank, 0), commit["commit"])
                 for epoch, record in commit["epochs"].items():
                     epochs[int(epoch)].update(ConsumedSet.from_plain(record))
-    merged = Merged(dict(sorted(epochs.items())), snapshot, len(urls), ranks, stale)
+    merged = Merged(dict(sorted(epochs.items())), snapshot, len(fetch), ranks, stale)
     merged.shards, merged.unrecorded = dict(identities.recorded), identities.unrecorded_seen
+    merged.runs = summaries
     return merged
 
 

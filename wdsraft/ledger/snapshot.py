@@ -34,6 +34,7 @@ from wdsraft.io.storage import local_path, write_bytes_atomic
 from wdsraft.ledger.consumed import ConsumedSet
 from wdsraft.ledger.envelope import seal, unseal
 from wdsraft.ledger.identity import Identity
+from wdsraft.ledger.rank_file import RunSummary
 from wdsraft.ledger.reading import list_under, parallel_map, read_optional
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ SNAPSHOT_VERSION = 2  # (2: per-run rank commits; a version 1 snapshot is ignore
 SNAPSHOT_DIR = "snapshots"
 SNAPSHOT_SUFFIX = ".snapshot"
 LATE_DIR = "late"
+LATEST = "latest"  # (in SNAPSHOT_DIR: the URL of the snapshot written last)
 _LATE_NAME = re.compile(r"rank-(\d+)\.commit-(\d+)\.step-(\d+)$")
 
 #: Snapshots read at most when none is named by the watermark itself (one per branch of rewinds, say).
@@ -78,6 +80,7 @@ class Snapshot:
     unrecorded: bool = False  # some commit was written before identities were recorded
     url: str = ""
     ranks: dict[str, dict[int, int]] = field(default_factory=dict)  # run -> rank -> its last commit merged
+    runs: dict[str, RunSummary] = field(default_factory=dict)  # what the files of the runs it covers said
 
     def to_bytes(self) -> bytes:
         record = {
@@ -89,6 +92,7 @@ class Snapshot:
             "shards": self.shards,
             "unrecorded": self.unrecorded,
             "ranks": self.ranks,
+            "runs": {run: summary.to_plain() for run, summary in self.runs.items()},
         }
         return seal(SNAPSHOT_FORMAT, SNAPSHOT_VERSION, record)
 
@@ -107,6 +111,7 @@ class Snapshot:
                 bool(record["unrecorded"]),
                 url,
                 {str(run): {int(k): int(n) for k, n in per.items()} for run, per in record["ranks"].items()},
+                {str(run): RunSummary.from_plain(str(run), plain) for run, plain in record["runs"].items()},
             )
         except (KeyError, ValueError, TypeError, AttributeError) as exn:
             raise LedgerError(url, f"checksum right but not the structure of a ledger snapshot ({exn!r})") from None
@@ -184,11 +189,15 @@ def late_commits(path: str) -> Late:
     return found
 
 
-def find_snapshot(path: str, lineage: dict[str, int], steps: dict[str, int | None] | None) -> Snapshot | None:
+def find_snapshot(
+    path: str, lineage: dict[str, int], steps: dict[str, int | None] | None, have: Snapshot | None = None
+) -> Snapshot | None:
     """The snapshot to start reading ``path`` under a watermark from: the one of that watermark itself
-    (one read), else the usable one covering the most runs among those in ``PATH/snapshots``. Those that
-    may not be used are skipped with a warning saying why."""
+    (one read, none where ``have`` is it), else the usable one covering the most runs among those in
+    ``PATH/snapshots``. Those that may not be used are skipped with a warning saying why."""
     exact = snapshot_url(path, lineage, steps)
+    if have is not None and have.url == exact and have.refusal(path, lineage, steps) is None:
+        return have
     found = _usable(exact, read_optional(exact), path, lineage, steps)
     if found is not None:
         return found
@@ -224,11 +233,34 @@ def _usable(
 
 
 def write_snapshot(snapshot: Snapshot) -> str:
-    """Write ``snapshot`` (atomically) under its ledger, named by its watermark; returns its URL."""
+    """Write ``snapshot`` (atomically) under its ledger, named by its watermark, and point ``latest`` at it
+    (where ``ledger show`` starts); returns its URL."""
     url = snapshot_url(snapshot.ledger, snapshot.lineage, snapshot.steps)
     write_bytes_atomic(url, snapshot.to_bytes())
     snapshot.url = url
+    write_bytes_atomic(posixpath.join(snapshot.ledger, SNAPSHOT_DIR, LATEST), url.encode())
     return url
+
+
+def latest_snapshot(path: str) -> Snapshot | None:
+    """The snapshot written last (``latest`` names it), if it is there, whole and of this ledger."""
+    pointer = read_optional(posixpath.join(path, SNAPSHOT_DIR, LATEST))
+    if pointer is None:
+        return None
+    url = pointer.decode(errors="replace")
+    if not url.startswith(path.rstrip("/") + "/" + SNAPSHOT_DIR + "/"):
+        logger.warning("ignoring %s/%s/%s: it names %s, not a snapshot of this ledger", path, SNAPSHOT_DIR, LATEST, url)
+        return None
+    raw = read_optional(url)
+    try:
+        snapshot = Snapshot.parse(url, raw) if raw is not None else None
+    except LedgerError as exn:
+        logger.warning("ignoring the ledger snapshot %s: %s", url, exn)
+        return None
+    if snapshot is not None and snapshot.ledger.rstrip("/") != path.rstrip("/"):
+        logger.warning("ignoring the ledger snapshot %s: it is the snapshot of another ledger", url)
+        return None
+    return snapshot
 
 
 def snapshot_urls(path: str) -> Iterable[str]:
