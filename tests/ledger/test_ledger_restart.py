@@ -14,6 +14,7 @@ import wdsraft as wds
 from wdsraft.cli import main
 from wdsraft.core.errors import StateMismatchError
 from wdsraft.ledger import RankFile, identity, merged
+from wdsraft.ledger.rank_file import committed_in, complete_steps, summarize
 
 WORLD = 4
 
@@ -150,3 +151,19 @@ def test_show_of_an_uncommitted_checkpoint_names_the_ranks_from_the_files(tmp_pa
     capsys.readouterr()
     assert main(["ledger", "show", path, "--checkpoint", str(checkpoint)]) == 1
     assert "step 3 of run a, which not every rank committed (ranks [1, 2]" in capsys.readouterr().err
+
+
+def test_a_step_one_rank_committed_twice_and_another_never_is_not_complete(tmp_path) -> None:
+    """Summaries count the ranks at a step, not the commits: two commits of one rank are not two ranks."""
+    path = str(tmp_path / "l")
+    twice, never = (wds.Ledger(path, run="a", rank=rank, world_size=2) for rank in range(2))
+    for n in range(2):
+        twice.record({"__url__": ["s0.tar"], "__ordinal__": [n]}, epoch=0)
+        twice.commit(step=5)
+    never.record({"__url__": ["s1.tar"], "__ordinal__": [0]}, epoch=0)
+    never.commit(step=4)
+    files = list(wds.Ledger(path, run="check").rank_files())
+    assert complete_steps(files) == {} and committed_in(summarize(files))[0] == {}
+    never.commit(step=5)
+    files = list(wds.Ledger(path, run="check").rank_files())
+    assert set(complete_steps(files)["a"]) == {5}
