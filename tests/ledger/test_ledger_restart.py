@@ -15,6 +15,7 @@ from wdsraft.cli import main
 from wdsraft.core.errors import StateMismatchError
 from wdsraft.ledger import RankFile, identity, merged
 from wdsraft.ledger.rank_file import committed_in, complete_steps, summarize
+from wdsraft.ledger.snapshot import late_commits
 
 WORLD = 4
 
@@ -167,3 +168,20 @@ def test_a_step_one_rank_committed_twice_and_another_never_is_not_complete(tmp_p
     never.commit(step=5)
     files = list(wds.Ledger(path, run="check").rank_files())
     assert set(complete_steps(files)["a"]) == {5}
+
+
+def test_rewind_removes_the_late_markers_of_the_commits_it_drops(tmp_path, capsys) -> None:
+    path = str(tmp_path / "l")
+    ledgers = [wds.Ledger(path, run="a", rank=rank, world_size=2) for rank in range(2)]
+    for step in (1, 2):
+        for ledger in ledgers:
+            ledger.record({"__url__": [f"s{ledger.rank}.tar"], "__ordinal__": [step]}, epoch=0)
+            ledger.commit(step=step)
+    ledgers[0].record({"__url__": ["s0.tar"], "__ordinal__": [7]}, epoch=0)
+    ledgers[0].commit(step=1)  # late: commit 3 at step 1
+    ledgers[1].record({"__url__": ["s1.tar"], "__ordinal__": [8]}, epoch=0)
+    ledgers[1].commit(step=2)  # late: commit 3 at step 2, which the rewind to step 1 drops
+    assert late_commits(path) == {"a": [(0, 3, 1), (1, 3, 2)]}
+    assert main(["ledger", "rewind", path, "--lineage", "a=1@1"]) == 0
+    assert "removed the late marker of commit 3 of run a, rank 1" in capsys.readouterr().out
+    assert late_commits(path) == {"a": [(0, 3, 1)]}

@@ -22,7 +22,7 @@ from wdsraft.ledger.merged import merge_under, read_rank_files
 from wdsraft.ledger.overview import LedgerView, view_ledger
 from wdsraft.ledger.rank_file import SUFFIX, RankFile, committed_in, counted
 from wdsraft.ledger.reading import list_rank_files, parallel_map, read_optional
-from wdsraft.ledger.snapshot import Snapshot, snapshot_urls
+from wdsraft.ledger.snapshot import Snapshot, late_commits, late_marker_url, snapshot_urls
 
 logger = logging.getLogger(__name__)
 
@@ -455,7 +455,21 @@ def cmd_rewind(args: argparse.Namespace) -> int:
             step = watermark[1].get(rank_file.run)
             mark = f"step {step}" if step is not None else f"commit {lineage[rank_file.run]}"
             print(f"{rank_file.url}: dropped {dropped} commits after {mark}")
+    _remove_late_markers_dropped(args.path, files, lineage, args.prune)
     return 0
+
+
+def _remove_late_markers_dropped(path: str, files: list[RankFile], lineage: dict[str, int], prune: bool) -> None:
+    """Late markers of commits the rewind dropped (or of runs it pruned) would make every later read of
+    their run's snapshots read its files again: they go."""
+    kept = {(f.run, f.rank): {c["commit"] for c in f.commits} for f in files}
+    for run, entries in late_commits(path).items():
+        if run not in lineage and not prune:
+            continue
+        for rank, commit, step in entries:
+            if commit not in kept.get((run, rank), set()):
+                remove(late_marker_url(path, run, rank, commit, step))
+                print(f"removed the late marker of commit {commit} of run {run}, rank {rank} (dropped)")
 
 
 def cmd_export(args: argparse.Namespace) -> int:
