@@ -43,9 +43,9 @@ def assert_same_as_files(path: str, mark: dict) -> Snapshot:
     files = from_files(path, mark["lineage"], mark["steps"])
     assert {e: pairs(c) for e, c in snapshot.epochs.items()} == {e: pairs(c) for e, c in files.epochs.items()}
     assert {e: c.tokens for e, c in snapshot.epochs.items()} == {e: c.tokens for e, c in files.epochs.items()}
-    assert snapshot.ranks == files.ranks and snapshot.shards == files.shards
-    assert {run: s.to_plain() for run, s in snapshot.runs.items()} == {
-        run: s.to_plain() for run, s in files.runs.items()
+    assert snapshot.rank_commits() == files.rank_commits() and snapshot.shards == files.shards
+    assert {run: s.to_plain() for run, s in snapshot.summaries().items()} == {
+        run: s.to_plain() for run, s in files.summaries().items()
     }
     return snapshot
 

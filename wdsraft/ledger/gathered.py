@@ -150,6 +150,6 @@ class SnapshotChain:
                 "ledger: snapshots at checkpoints of run %s start from %d rank files", self.run, base.files_read
             )
         self.epochs.update(copy_epochs(base.epochs))
-        self.ranks = {run: dict(per) for run, per in base.ranks.items()}
-        self.runs = {run: summary for run, summary in base.runs.items() if run != self.run}
+        self.ranks = base.rank_commits()
+        self.runs = {run: summary for run, summary in base.summaries().items() if run != self.run}
         self.shards, self.unrecorded = dict(base.shards), base.unrecorded

@@ -251,8 +251,8 @@ class Ledger:
             merged.epochs,
             recorded,
             self._identities.unrecorded_seen,
-            ranks=merged.ranks,
-            runs=merged.runs,
+            ranks=merged.rank_commits(),
+            runs=merged.summaries(),
         )
 
     def _write_snapshot(self, merged: Merged, lineage: dict[str, int], steps: dict[str, int | None] | None) -> None:

@@ -31,11 +31,22 @@ class Merged:
     epochs: dict[int, ConsumedSet]
     snapshot: Snapshot | None  # the snapshot it started from
     files_read: int  # rank files read besides it
-    ranks: dict[str, dict[int, int]] = field(default_factory=dict)  # run -> rank -> its last commit counted
+    read_ranks: dict[str, dict[int, int]] = field(default_factory=dict)  # of the runs read: rank -> last commit
     stale: set[str] = field(default_factory=set)  # runs of the snapshot read again for late commits
     shards: dict[str, Identity] = field(default_factory=dict)  # the dataset identities recorded
     unrecorded: bool = False  # some commit merged records none (an older wdsraft wrote it)
-    runs: dict[str, RunSummary] = field(default_factory=dict)  # what the files of the lineage's runs say
+    read_runs: dict[str, RunSummary] = field(default_factory=dict)  # the summaries of the runs read
+    reread: set[str] = field(default_factory=set)  # the runs whose files were read
+
+    def rank_commits(self) -> dict[str, dict[int, int]]:
+        """Per run, each rank's last commit counted (from the snapshot for the runs it covered)."""
+        kept = self.snapshot.rank_commits() if self.snapshot is not None else {}
+        return {run: dict(per) for run, per in kept.items() if run not in self.reread} | self.read_ranks
+
+    def summaries(self) -> dict[str, RunSummary]:
+        """Per run of the lineage, what its files say (from the snapshot for the runs it covered)."""
+        kept = self.snapshot.summaries() if self.snapshot is not None else {}
+        return {run: summary for run, summary in kept.items() if run not in self.reread} | self.read_runs
 
 
 def read_rank_files(urls: list[str], progress: str | None = None) -> Iterator[RankFile]:
@@ -73,8 +84,6 @@ def merge_under(
                 ", ".join(sorted(stale)),
             )
         runs = snapshot.runs_to_read(lineage, steps) | stale
-        ranks = {run: dict(per) for run, per in snapshot.ranks.items() if run not in runs}
-        summaries = {run: summary for run, summary in snapshot.runs.items() if run not in runs}
         logger.info("ledger: read %s; %d runs after it to read", snapshot.url, len(runs))
     urls = list_rank_files(path, runs) if runs else []
     given = {rank_file.url: rank_file for rank_file in known}
@@ -90,7 +99,7 @@ def merge_under(
                     epochs[int(epoch)].update(ConsumedSet.from_plain(record))
     merged = Merged(dict(sorted(epochs.items())), snapshot, len(fetch), ranks, stale)
     merged.shards, merged.unrecorded = dict(identities.recorded), identities.unrecorded_seen
-    merged.runs = summaries
+    merged.read_runs, merged.reread = summaries, set(runs)
     return merged
 
 

@@ -36,14 +36,15 @@ class LedgerView:
 def view_ledger(path: str, use_snapshot: bool = True, progress: str | None = None) -> LedgerView:
     """Every run's summary: from the snapshot written last where it can vouch for the run, else its files."""
     snapshot = latest_snapshot(path) if use_snapshot else None
-    if snapshot is None or not snapshot.runs:
+    if snapshot is None or not snapshot.summaries():
         files = list(read_rank_files(list_rank_files(path), progress))
         return LedgerView(summarize(files), files)
     listed = set(list_runs(path))
-    covered = set(snapshot.runs) & listed
+    covered = set(snapshot.summaries()) & listed
     stale = snapshot.stale(late_commits(path))
-    parents = {parent for run in covered for lineage, _ in snapshot.runs[run].parents for parent in lineage}
-    changed = {run for run in covered - parents if rank_file_sizes(path, run) != _recorded_sizes(snapshot.runs[run])}
+    recorded = snapshot.summaries()
+    parents = {parent for run in covered for lineage, _ in recorded[run].parents for parent in lineage}
+    changed = {run for run in covered - parents if rank_file_sizes(path, run) != _recorded_sizes(recorded[run])}
     trusted = covered - stale - changed
     logger.info(
         "ledger: %d runs as %s recorded them; reading the files of %d runs (%d it does not cover, %d changed since)",
@@ -54,7 +55,7 @@ def view_ledger(path: str, use_snapshot: bool = True, progress: str | None = Non
         len((stale | changed) & covered),
     )
     files = list(read_rank_files(list_rank_files(path, listed - trusted), progress)) if listed - trusted else []
-    runs = {run: snapshot.runs[run] for run in sorted(trusted)} | summarize(files)
+    runs = {run: recorded[run] for run in sorted(trusted)} | summarize(files)
     return LedgerView(runs, files, snapshot, trusted)
 
 
