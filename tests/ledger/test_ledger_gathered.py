@@ -312,3 +312,24 @@ def test_a_commit_at_a_step_a_snapshot_covers_is_never_missed(tmp_path, how: str
     again = wds.Ledger(path, run="check")
     assert pairs(again.consumed(0, mark["lineage"], mark["steps"])) == expected
     assert again.last_read.stale == set() and again.last_read.files_read == 0  # type: ignore[union-attr]
+
+
+def test_without_the_snapshot_of_its_watermark_a_read_starts_from_the_latest_not_a_scan(tmp_path, monkeypatch) -> None:
+    path, group = str(tmp_path / "l"), Group(RANKS)
+    ledgers = _ranks(path, "one")
+    marks = [_checkpoint_all(ledgers, group, step) for step in (1, 2, 3)]
+    later = _ranks(path, "two")  # (a run without a process group: no snapshot at its commits)
+    for ledger in later:
+        ledger.lineage, ledger.lineage_steps = dict(marks[-1]["lineage"]), dict(marks[-1]["steps"])
+        ledger.record({"__url__": [f"s{ledger.rank}.tar"], "__ordinal__": [99]}, 0)
+        mark = ledger.commit(step=4)
+    read: list[str] = []
+    real = reading.read_bytes
+    monkeypatch.setattr(reading, "read_bytes", lambda url: (read.append(url), real(url))[1])
+    reader = wds.Ledger(path, run="check")
+    got = pairs(reader.consumed(0, mark["lineage"], mark["steps"]))
+    assert got == pairs(from_files(path, mark["lineage"], mark["steps"]).epochs[0])
+    latest = snapshot_url(path, **_mark(marks[-1]))
+    assert reader.last_read.snapshot.url == latest and reader.last_read.files_read == RANKS  # type: ignore[union-attr]
+    snapshots = [url for url in read if url.endswith(".snapshot")]
+    assert snapshots == [snapshot_url(path, **_mark(mark)), latest]  # (the missing one tried, then the latest)

@@ -130,9 +130,11 @@ def add_ledger_commands(commands: Any, parents: Sequence[argparse.ArgumentParser
             "Merge what every commit under the watermark consumed, per epoch, into one checksummed snapshot "
             "object in PATH/snapshots/, named by the watermark. A resume under that watermark (or one that builds "
             "on it) reads the snapshot plus the rank files of the runs after it, instead of every rank file of "
-            "every run. Run it between jobs, when no run under the watermark still commits: a rank that commits "
-            "again at the watermark's step after the snapshot would not be in it. A snapshot that is torn, of "
-            "another ledger or lineage, or newer than the checkpoint being resumed is ignored with a warning."
+            "every run. It may run beside a job: a rank that commits again at a step the snapshot covers leaves a "
+            "late marker first, and readers then read that run's files on top of the snapshot. Compact a step "
+            "every rank has reached (the default, or a checkpoint's watermark). A snapshot that is torn, of "
+            "another ledger or lineage, or newer than the checkpoint being resumed is ignored with a warning. "
+            "Under torch.distributed, checkpoint() already writes the snapshot of every checkpoint."
         ),
     )
     common(compact)

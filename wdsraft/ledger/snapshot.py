@@ -219,14 +219,20 @@ def find_snapshot(
     path: str, lineage: dict[str, int], steps: dict[str, int | None] | None, have: Snapshot | None = None
 ) -> Snapshot | None:
     """The snapshot to start reading ``path`` under a watermark from: the one of that watermark itself
-    (one read, none where ``have`` is it), else the usable one covering the most runs among those in
-    ``PATH/snapshots``. Those that may not be used are skipped with a warning saying why."""
+    (one read, none where ``have`` is it), else the one written last if it is within the watermark,
+    else the usable one covering the most runs among those in ``PATH/snapshots``. Those that may not be
+    used are skipped with a warning saying why."""
     exact = snapshot_url(path, lineage, steps)
     if have is not None and have.url == exact and have.refusal(path, lineage, steps) is None:
         return have
     found = _usable(exact, read_optional(exact), path, lineage, steps)
     if found is not None:
         return found
+    # The snapshot written last, where it is within the watermark: the newest part of it there is (rank 0
+    # keeps a few per run, so the folder may hold many large snapshots not worth reading one by one).
+    latest = latest_snapshot(path)
+    if latest is not None and latest.url != exact and latest.refusal(path, lineage, steps) is None:
+        return latest
     others = [url for url in list_under(path, SNAPSHOT_DIR) if url.endswith(SNAPSHOT_SUFFIX) and url != exact]
     if len(others) > SCAN_LIMIT:
         logger.info("%d ledger snapshots in %s: reading %d of them", len(others), path, SCAN_LIMIT)
