@@ -53,9 +53,10 @@ import msgpack  # noqa: E402
 from pyroaring import BitMap  # noqa: E402
 
 from wdsraft.ledger.consumed import ConsumedSet  # noqa: E402
+from wdsraft.ledger.gathered import SnapshotChain  # noqa: E402
 from wdsraft.ledger.identity import ShardIdentities  # noqa: E402
 from wdsraft.ledger.merged import merge_under  # noqa: E402
-from wdsraft.ledger.rank_file import RankFile, counted  # noqa: E402
+from wdsraft.ledger.rank_file import RankFile, RunSummary, commit_entries, counted, summarize  # noqa: E402
 from wdsraft.ledger.reading import list_rank_files  # noqa: E402
 from wdsraft.ledger.snapshot import Snapshot, write_snapshot  # noqa: E402
 
@@ -160,35 +161,63 @@ def backend() -> Any:
 # -- generated ledgers -----------------------------------------------------------------------------
 
 
-def generate(prefix: str, ranks: int, runs: int) -> list[tuple[dict[str, int], dict[str, int | None]]]:
-    """Write the ledger of ``runs`` chained runs of ``ranks`` ranks; returns each run's watermark."""
-    store = backend()
+def rank_file_of(
+    prefix: str, r: int, k: int, ranks: int, lineage: dict[str, int], steps: dict[str, int | None]
+) -> RankFile:
+    """Rank ``k``'s file of run ``r`` (the same bytes wherever it is made: the benchmark rebuilds what a rank
+    sends rank 0 at a checkpoint from it)."""
+    run = f"job{r:04d}"
+    shard = (r * ranks + k) % SHARDS
+    rank_file = RankFile(f"s3://{BUCKET}/{prefix}/run-{run}/rank-{k:05d}.ledger", run, k, ranks, dict(lineage))
+    rank_file.parent_steps = dict(steps)
+    for number, (step, half) in enumerate(((100, range(0, 500)), (200, range(500, 1000))), 1):
+        consumed = ConsumedSet()
+        consumed.add_samples(shard_url(shard), half)
+        identity = {"sha256": f"{shard:064x}", "samples": PER_SHARD, "size": 1_000_000}
+        rank_file.commits.append(
+            {
+                "commit": number,
+                "step": step,
+                "time": 1e9 + r,
+                "epochs": {"0": consumed.to_plain()},
+                "shards": {shard_url(shard): identity} if number == 1 else {},
+            }
+        )
+    rank_file.size = len(rank_file.to_bytes())
+    return rank_file
+
+
+def watermarks(runs: int) -> list[tuple[dict[str, int], dict[str, int | None]]]:
+    """Each run's watermark (its last commit, step 200), each run resuming from the one before."""
     lineage: dict[str, int] = {}
     steps: dict[str, int | None] = {}
     marks = []
     for r in range(runs):
-        run = f"job{r:04d}"
-        for k in range(ranks):
-            shard = (r * ranks + k) % SHARDS
-            rank_file = RankFile(f"s3://{BUCKET}/{prefix}/run-{run}/rank-{k:05d}.ledger", run, k, ranks, dict(lineage))
-            rank_file.parent_steps = dict(steps)
-            for number, (step, half) in enumerate(((100, range(0, 500)), (200, range(500, 1000))), 1):
-                consumed = ConsumedSet()
-                consumed.add_samples(shard_url(shard), half)
-                identity = {"sha256": f"{shard:064x}", "samples": PER_SHARD, "size": 1_000_000}
-                rank_file.commits.append(
-                    {
-                        "commit": number,
-                        "step": step,
-                        "time": 1e9 + r,
-                        "epochs": {"0": consumed.to_plain()},
-                        "shards": {shard_url(shard): identity} if number == 1 else {},
-                    }
-                )
-            store.put_object(BUCKET, f"{prefix}/run-{run}/rank-{k:05d}.ledger", rank_file.to_bytes())
-        lineage, steps = {**lineage, run: 2}, {**steps, run: 200}
+        lineage, steps = {**lineage, f"job{r:04d}": 2}, {**steps, f"job{r:04d}": 200}
         marks.append((dict(lineage), dict(steps)))
     return marks
+
+
+def generate(prefix: str, ranks: int, runs: int) -> list[tuple[dict[str, int], dict[str, int | None]]]:
+    """Write the ledger of ``runs`` chained runs of ``ranks`` ranks; returns each run's watermark."""
+    store = backend()
+    marks = watermarks(runs)
+    for r in range(runs):
+        lineage, steps = marks[r - 1] if r else ({}, {})
+        for k in range(ranks):
+            rank_file = rank_file_of(prefix, r, k, ranks, lineage, steps)
+            store.put_object(BUCKET, f"{prefix}/run-job{r:04d}/rank-{k:05d}.ledger", rank_file.to_bytes())
+    return marks
+
+
+def summaries(prefix: str, ranks: int, runs: int) -> dict[str, RunSummary]:
+    """What the rank files of the first ``runs`` runs say, in little (as a snapshot keeps it)."""
+    marks = watermarks(runs)
+    found = {}
+    for r in range(runs):
+        lineage, steps = marks[r - 1] if r else ({}, {})
+        found.update(summarize(rank_file_of(prefix, r, k, ranks, lineage, steps) for k in range(ranks)))
+    return found
 
 
 def generated(ranks: int, runs: int) -> tuple[dict[int, ConsumedSet], dict[str, Any]]:
@@ -401,38 +430,77 @@ def run_size(spec: str, marks: list[Any], counter: RemoteCounter, args: Any, ful
             flush=True,
         )
         shown = measure(counter, lambda: _show(path))
-        print(f"ledger show: {shown['s']:.2f} s, {shown['reads']:,} requests, peak +{shown['mib']:.0f} MiB", flush=True)
+        print(
+            f"ledger show, no snapshot yet (reads every file): {shown['s']:.2f} s, {shown['reads']:,} requests, "
+            f"peak +{shown['mib']:.0f} MiB",
+            flush=True,
+        )
     elif full_per_file is not None:
         print(
             f"new, full read (no snapshot): projected {full_per_file * files:.0f} s "
-            f"({full_per_file * 1000:.2f} ms per file, from the size before); ledger show about the same"
+            f"({full_per_file * 1000:.2f} ms per file, from the size before); ledger show without a snapshot: the same"
         )
 
     # The snapshot the previous restart left (one run behind), then what compacting the last run reads.
     # (built from what the generator wrote, not read: reading all but one run would take as long as the full read)
-    write_snapshot(Snapshot(path, dict(marks[-2][0]), dict(marks[-2][1]), *generated(ranks, runs - 1)))
+    prefix, last = f"l{ranks}x{runs}", f"job{runs - 1:04d}"
+    epochs, shards = generated(ranks, runs - 1)
+    commits = {f"job{r:04d}": dict.fromkeys(range(ranks), 2) for r in range(runs - 1)}
+    behind_runs = summaries(prefix, ranks, runs - 1)
+    write_snapshot(Snapshot(path, *marks[-2], epochs, shards, ranks=commits, runs=behind_runs))  # type: ignore[arg-type]
     behind = measure(counter, lambda: new_read(path, lineage, steps, use_snapshots=True))
     assert behind["result"].files_read == ranks and behind["result"].snapshot is not None
     print(
-        f"new, snapshot one run behind (compact / rank 0): {behind['s']:.2f} s ({behind['cpu']:.1f} s CPU), "
-        f"{behind['reads']:,} requests "
+        f"no snapshot of the watermark (compact, or rank 0 without torch.distributed): {behind['s']:.2f} s "
+        f"({behind['cpu']:.1f} s CPU), {behind['reads']:,} requests "
         f"{behind['requests']}, {behind['bytes'] / 1e6:.1f} MB, peak +{behind['mib']:.0f} MiB",
         flush=True,
     )
     count = behind["result"].epochs[0].count()
     assert behind["result"].epochs[0].samples == generated(ranks, runs)[0][0].samples  # (exact, checked)
-    write_snapshot(Snapshot(path, dict(lineage), dict(steps), behind["result"].epochs, generated(ranks, runs)[1]))
+
+    # Under torch.distributed: rank 0's work at each of the last run's 2 checkpoints (what every rank sends it
+    # is built here; the gather itself is a collective of a few kB per rank), from what resume read.
+    base = new_read(path, *marks[-2], use_snapshots=True)
+    chain = SnapshotChain(path, last)
+    files = [rank_file_of(prefix, runs - 1, k, ranks, *marks[-2]) for k in range(ranks)]
+    seen: list[set[int]] = [set() for _ in files]
+    for number, step in ((1, 100), (2, 200)):
+        received = []
+        for f in files:
+            new = f.commits[number - 1 : number]
+            entries = commit_entries(new, seen[f.rank])
+            received.append(msgpack.packb([f.rank, f.world_size, new, [f.size, number, entries, f.parents()]]))
+        mark = {"lineage": {**marks[-2][0], last: number}, "steps": {**marks[-2][1], last: step}}
+        gathered = measure(counter, lambda: chain._advance(received, mark, base))  # noqa: B023
+    assert chain.last_url is not None and not chain.broken
+    print(
+        f"new, rank 0 at a checkpoint (adds {ranks:,} ranks' commits, writes the snapshot): {gathered['s']:.2f} s "
+        f"({gathered['cpu']:.1f} s CPU), {gathered['reads']} requests {gathered['requests']}, "
+        f"{gathered['bytes'] / 1e6:.1f} MB, peak +{gathered['mib']:.0f} MiB",
+        flush=True,
+    )
 
     rounds = [measure(counter, lambda: new_read(path, lineage, steps, use_snapshots=True)) for _ in range(args.repeats)]
     assert all(r["result"].files_read == 0 and r["result"].epochs[0].count() == count for r in rounds)
+    assert rounds[0]["result"].snapshot.url == chain.last_url  # (the one written at the checkpoint)
     rank = statistics.median(r["s"] for r in rounds)
     one = rounds[-1]
     print(
-        f"new, a rank's resume (snapshot of the watermark): {rank * 1000:.0f} ms median of {args.repeats} "
+        f"new, a rank's resume (the snapshot of its checkpoint): {rank * 1000:.0f} ms median of {args.repeats} "
         f"({min(r['s'] for r in rounds) * 1000:.0f}-{max(r['s'] for r in rounds) * 1000:.0f}), "
-        f"{one['reads']} request {one['requests']}, {one['bytes'] / 1e3:.0f} kB, peak +{one['mib']:.0f} MiB; "
-        f"object reads per restart: {behind['reads']:,} (compact) + {ranks:,} ranks x {one['reads']} = "
-        f"{behind['reads'] + ranks * one['reads']:,} without torch.distributed, {behind['reads']:,} with it",
+        f"{one['reads']} requests {one['requests']}, {one['bytes'] / 1e6:.1f} MB, peak +{one['mib']:.0f} MiB; "
+        f"object reads per restart: {one['reads']} with torch.distributed (rank 0), {ranks:,} ranks x "
+        f"{one['reads']} = {ranks * one['reads']:,} without it (after ledger compact: +{behind['reads']:,})",
+        flush=True,
+    )
+
+    shown = [measure(counter, lambda: _show(path)) for _ in range(2)]
+    best = min(shown, key=lambda r: r["s"])
+    print(
+        f"ledger show (the snapshot written last, the newest run's listing): {best['s']:.2f} s "
+        f"(best of 2; {best['cpu']:.1f} s CPU), {best['reads']} requests {best['requests']}, "
+        f"{best['bytes'] / 1e6:.1f} MB, peak +{best['mib']:.0f} MiB",
         flush=True,
     )
     return full_per_file

@@ -905,3 +905,12 @@ def test_uneven_ranks_commit_the_epochs_end_and_train_every_epoch(tmp_path, urls
     assert finals == ["step-00000008", "step-00000016"]
     again = _run(tmp_path, urls, world_size=5, workers=0, kill_at=-1, kill_after="batch", tag="again", epochs=2)
     assert again == [0] * 5 and not list((tmp_path / "delivered").glob("again-*"))
+
+
+def test_a_padding_step_records_nothing(tmp_path) -> None:
+    """``even_ends="pad"`` hands out None once this rank has run out: the ledger notes nothing for it (it
+    used to refuse it as a batch without positions), and the next commit holds only real batches."""
+    ledger = wds.Ledger(str(tmp_path / "ledger"), run="r", rank=0, world_size=1)
+    ledger.record({"__url__": ["a.tar"], "__ordinal__": [3]}, epoch=0)
+    ledger.record(None, epoch=0)
+    assert ledger.pending[0].count() == 1

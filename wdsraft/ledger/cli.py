@@ -18,9 +18,11 @@ from wdsraft.io.storage import local_path, remove
 from wdsraft.ledger.consumed import ConsumedSet
 from wdsraft.ledger.identity import ShardIdentities, difference
 from wdsraft.ledger.ledger import Ledger
-from wdsraft.ledger.rank_file import SUFFIX, RankFile, committed_watermark, complete_steps, counted
-from wdsraft.ledger.reading import parallel_map, read_optional
-from wdsraft.ledger.snapshot import Snapshot, snapshot_urls
+from wdsraft.ledger.merged import merge_under, read_rank_files
+from wdsraft.ledger.overview import LedgerView, view_ledger
+from wdsraft.ledger.rank_file import SUFFIX, RankFile, committed_in, counted
+from wdsraft.ledger.reading import list_rank_files, parallel_map, read_optional
+from wdsraft.ledger.snapshot import Snapshot, late_commits, late_marker_url, snapshot_urls
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +57,12 @@ def add_ledger_commands(commands: Any, parents: Sequence[argparse.ArgumentParser
         parser.add_argument(
             "--all-commits",
             action="store_true",
-            help="count every commit of every run, also those no committed checkpoint builds on",
+            help="count every commit of every run, also those no committed checkpoint builds on (reads every file)",
+        )
+        parser.add_argument(
+            "--every-file",
+            action="store_true",
+            help="read every rank file, not the snapshot written last plus the files it does not cover",
         )
 
     show = actions.add_parser(
@@ -123,9 +130,11 @@ def add_ledger_commands(commands: Any, parents: Sequence[argparse.ArgumentParser
             "Merge what every commit under the watermark consumed, per epoch, into one checksummed snapshot "
             "object in PATH/snapshots/, named by the watermark. A resume under that watermark (or one that builds "
             "on it) reads the snapshot plus the rank files of the runs after it, instead of every rank file of "
-            "every run. Run it between jobs, when no run under the watermark still commits: a rank that commits "
-            "again at the watermark's step after the snapshot would not be in it. A snapshot that is torn, of "
-            "another ledger or lineage, or newer than the checkpoint being resumed is ignored with a warning."
+            "every run. It may run beside a job: a rank that commits again at a step the snapshot covers leaves a "
+            "late marker first, and readers then read that run's files on top of the snapshot. Compact a step "
+            "every rank has reached (the default, or a checkpoint's watermark). A snapshot that is torn, of "
+            "another ledger or lineage, or newer than the checkpoint being resumed is ignored with a warning. "
+            "Under torch.distributed, checkpoint() already writes the snapshot of every checkpoint."
         ),
     )
     common(compact)
@@ -155,11 +164,27 @@ def _lineage_argument(text: str) -> Watermark:
     return lineage, steps
 
 
-def _rank_files(args: argparse.Namespace) -> tuple[list[RankFile], Watermark]:
-    """The ledger's rank files and the watermark the command works on (given, from a checkpoint, or the latest)."""
+def _survey(args: argparse.Namespace, every_file: bool = False) -> tuple[LedgerView, Watermark]:
+    """Every run of the ledger and the watermark the command works on (given, from a checkpoint, or the
+    latest): from the snapshot written last plus the files it does not cover, or every file."""
     _check_ledger_path(args.path)
-    files = list(_reader(args.path).rank_files(progress="reading the ledger"))
-    return files, _watermark(args, files)
+    whole = every_file or args.all_commits or args.every_file
+    view = view_ledger(args.path, use_snapshot=not whole, progress="reading the ledger")
+    return view, _watermark(args, view)
+
+
+def _consumed(
+    args: argparse.Namespace, view: LedgerView, watermark: Watermark
+) -> tuple[dict[int, ConsumedSet], ShardIdentities]:
+    """Every epoch's consumed set under the watermark, and the identities those commits recorded: from the
+    files read where every file was, else from the snapshot within the watermark plus the runs after it."""
+    if view.snapshot is None:
+        return _epochs(view.files, watermark), _identities(view.files, watermark)
+    identities = ShardIdentities(args.path)
+    merged = merge_under(
+        args.path, *watermark, identities, progress="reading the ledger", known=view.files, have=view.snapshot
+    )
+    return merged.epochs, identities
 
 
 def _check_ledger_path(url: str) -> None:
@@ -182,32 +207,30 @@ def _reader(url: str) -> Ledger:
     return Ledger(url, run="inspect", rank=0, world_size=1)
 
 
-def _watermark(args: argparse.Namespace, files: list[RankFile]) -> Watermark:
+def _watermark(args: argparse.Namespace, view: LedgerView) -> Watermark:
     if args.lineage is not None:
         return args.lineage
     if args.checkpoint:
         found = _watermark_from_checkpoint(args.checkpoint)
-        _refuse_uncommitted(args.checkpoint, found, files)
+        _refuse_uncommitted(args.checkpoint, found, view, args.path)
         return found["lineage"], found.get("steps") or {}
     if args.all_commits:
-        lineage: dict[str, int] = {}
-        for rank_file in files:
-            for commit in rank_file.commits:
-                lineage[rank_file.run] = max(lineage.get(rank_file.run, 0), commit["commit"])
-        return lineage, {}
-    committed, steps, how = committed_watermark(files)
-    if files:
+        return {run: summary.last_commit() for run, summary in view.runs.items() if summary.marks}, {}
+    committed, steps, how = committed_in(view.runs)
+    if view.runs:
         logger.info("watermark: %s (--all-commits counts every commit)", how)
     return committed, steps
 
 
-def _refuse_uncommitted(path: str, watermark: dict[str, Any], files: list[RankFile]) -> None:
+def _refuse_uncommitted(path: str, watermark: dict[str, Any], view: LedgerView, ledger: str) -> None:
     """A checkpoint whose own step not every rank of its run committed was never a committed checkpoint
     (a rank died before writing it): reading the ledger under it would count what no resume counts."""
-    complete = complete_steps(files)
     for run, step in (watermark.get("steps") or {}).items():
-        if step is None or not any(f.run == run for f in files) or step in complete.get(run, {}):
+        summary = view.runs.get(run)
+        if step is None or summary is None or step in summary.complete():
             continue
+        # (the ranks that lack it, from the run's files: read now if the view took the run from a snapshot)
+        files = [f for f in view.files if f.run == run] or list(read_rank_files(list_rank_files(ledger, [run])))
         missing = sorted(f.rank for f in files if f.run == run and not any(c.get("step") == step for c in f.commits))
         raise LedgerError(
             path,
@@ -326,39 +349,39 @@ def _sizes(manifest_url: str | None, shards: list[str]) -> dict[str, int]:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    files, watermark = _rank_files(args)
+    view, watermark = _survey(args)
     lineage, at_steps = watermark
-    if not files:
+    if not view.runs:
         print(f"{args.path}: no ledger files")
         return 1
     if not (args.lineage or args.checkpoint or args.all_commits):
-        print(f"watermark: {committed_watermark(files)[2]} (--all-commits counts every commit)")
+        print(f"watermark: {committed_in(view.runs)[2]} (--all-commits counts every commit)")
     print("runs:")
-    runs: dict[str, list[RankFile]] = defaultdict(list)
-    for rank_file in files:
-        runs[rank_file.run].append(rank_file)
-    for run, rank_files in runs.items():
-        commits = max(len(f.commits) for f in rank_files)
-        steps = [c["step"] for f in rank_files for c in f.commits if c["step"] is not None]
+    for run, summary in sorted(view.runs.items()):
+        commits = summary.commits()
         status = "outside the lineage (ignored)"
         if run in lineage:
             step = at_steps.get(run)
             status = f"counted up to step {step}" if step is not None else f"counted up to commit {lineage[run]}"
-        last_step = max(steps) if steps else "-"
+        last_step = summary.last_step if summary.last_step is not None else "-"
         # The watermark the run resumed from, as --lineage takes it (ranks' own commit numbers may differ).
-        parents = sorted({_lineage_text(f.parent, f.parent_steps) for f in rank_files})
+        parents = sorted({_lineage_text(parent, parent_steps) for parent, parent_steps in summary.parents})
         started = "from " + " or ".join(parents) if parents != [""] else "fresh"
         print(
-            f"  {run}: {len(rank_files)} ranks (world size {rank_files[0].world_size}), {commits} commits, "
+            f"  {run}: {len(summary.files)} ranks (world size {summary.world_size}), {commits} commits, "
             f"last step {last_step}, started {started}; {status}"
         )
-    epochs = _epochs(files, watermark)
+    if view.snapshot is not None:
+        print(
+            f"read: {view.snapshot.url} for {len(view.trusted)} runs (as it recorded them), the files of "
+            f"{len(view.runs) - len(view.trusted)} runs (--every-file reads every file)"
+        )
+    epochs, identities = _consumed(args, view, watermark)
     sizes: dict[str, int] = {}
     if args.manifest or args.shards:  # (without a manifest: one index read per shard, once, only when shown)
         sizes = _sizes(args.manifest, sorted({shard for consumed in epochs.values() for shard in consumed.samples}))
     total = sum(sizes.values()) if args.manifest else None
     recorded = {shard for consumed in epochs.values() for shard in (*consumed.samples, *consumed.tokens)}
-    identities = _identities(files, watermark)
     differing = _show_identities(identities, recorded, args.manifest)
     for epoch, consumed in epochs.items():
         count = consumed.count()
@@ -378,13 +401,14 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
-    files, watermark = _rank_files(args)
+    view, watermark = _survey(args)
     if _ledger_exists(args.output):
         raise LedgerError(args.output, "the output ledger exists already")
     merged = Ledger(args.output, run="merged", rank=0, world_size=1)
-    merged.pending = _epochs(files, watermark)
+    epochs, identities = _consumed(args, view, watermark)
+    merged.pending = epochs
     # The identities recorded then, not those of the dataset now (which may not even be reachable).
-    recorded = _identities(files, watermark).recorded
+    recorded = identities.recorded
     shards = {shard for consumed in merged.pending.values() for shard in (*consumed.samples, *consumed.tokens)}
     merged._identities.checked.update({shard: recorded.get(shard) for shard in shards})
     merged._to_record.update({shard: recorded[shard] for shard in shards if shard in recorded})
@@ -411,7 +435,8 @@ def cmd_rewind(args: argparse.Namespace) -> int:
     if args.lineage is None and not args.checkpoint and not args.all_commits:
         # (rewinding rewrites or, with --prune, deletes files: it acts only on a watermark the user names)
         raise LedgerError(args.path, "rewind needs the watermark to rewind to: --checkpoint FILE or --lineage ...")
-    files, watermark = _rank_files(args)
+    view, watermark = _survey(args, every_file=True)  # (it rewrites files: it reads them all)
+    files = view.files
     lineage = watermark[0]
     if not lineage:
         raise LedgerError(args.path, "the watermark names no run: nothing would be kept")
@@ -432,13 +457,27 @@ def cmd_rewind(args: argparse.Namespace) -> int:
             step = watermark[1].get(rank_file.run)
             mark = f"step {step}" if step is not None else f"commit {lineage[rank_file.run]}"
             print(f"{rank_file.url}: dropped {dropped} commits after {mark}")
+    _remove_late_markers_dropped(args.path, files, lineage, args.prune)
     return 0
 
 
+def _remove_late_markers_dropped(path: str, files: list[RankFile], lineage: dict[str, int], prune: bool) -> None:
+    """Late markers of commits the rewind dropped (or of runs it pruned) would make every later read of
+    their run's snapshots read its files again: they go."""
+    kept = {(f.run, f.rank): {c["commit"] for c in f.commits} for f in files}
+    for run, entries in late_commits(path).items():
+        if run not in lineage and not prune:
+            continue
+        for rank, commit, step in entries:
+            if commit not in kept.get((run, rank), set()):
+                remove(late_marker_url(path, run, rank, commit, step))
+                print(f"removed the late marker of commit {commit} of run {run}, rank {rank} (dropped)")
+
+
 def cmd_export(args: argparse.Namespace) -> int:
-    files, watermark = _rank_files(args)
+    view, watermark = _survey(args)
     out: dict[str, Any] = {"lineage": watermark[0], "epochs": {}}
-    for epoch, consumed in _epochs(files, watermark).items():
+    for epoch, consumed in _consumed(args, view, watermark)[0].items():
         shards: dict[str, dict[str, Any]] = {}
         for shard, bitmap in sorted(consumed.samples.items()):
             shards[shard] = {"ranges": _ranges(list(bitmap))}
@@ -479,7 +518,7 @@ def _remove_snapshots_beyond(path: str, watermark: Watermark) -> None:
 
 def cmd_compact(args: argparse.Namespace) -> int:
     # (a watermark typed in needs no reading of the rank files to find it: only the runs it names are read)
-    watermark = args.lineage if args.lineage is not None else _rank_files(args)[1]
+    watermark = args.lineage if args.lineage is not None else _survey(args)[1]
     if not watermark[0]:
         raise LedgerError(args.path, "no watermark to compact under (no step that every rank of a run committed)")
     reader = _reader(args.path)

@@ -24,19 +24,21 @@ import logging
 import operator
 import posixpath
 import time
+import zlib
 from collections.abc import Iterator
 from typing import Any
 
 from wdsraft.core.distributed import rank_and_world_size
 from wdsraft.core.errors import LedgerError
 from wdsraft.core.fields import PROVENANCE_FIELD, shard_of_key
-from wdsraft.io.storage import exists
+from wdsraft.io.storage import exists, write_bytes_atomic
 from wdsraft.ledger.consumed import ConsumedSet, PieceOrder, _piece_positions, _pieces, positions_of
+from wdsraft.ledger.gathered import SnapshotChain, process_group
 from wdsraft.ledger.identity import Identity, ShardIdentities
 from wdsraft.ledger.merged import Merged, merge_under, read_rank_files, shared
 from wdsraft.ledger.rank_file import SUFFIX, RankFile, counted, default_run_id
 from wdsraft.ledger.reading import list_rank_files, parallel_map, read_optional
-from wdsraft.ledger.snapshot import Snapshot, snapshot_url, write_snapshot
+from wdsraft.ledger.snapshot import Snapshot, late_marker_url, snapshot_url, write_snapshot
 from wdsraft.pipeline.datapipeline import state_epoch
 from wdsraft.pipeline.shardlists import UrlList
 
@@ -87,11 +89,19 @@ class Ledger:
         self.snapshot_wait = snapshot_wait
         #: What the last read of the ledger took (the snapshot it started from, the rank files read).
         self.last_read: Merged | None = None
+        self._highest_step: int | None = None  # of this rank's commits in this run
+        # Under torch.distributed: the snapshots written at checkpoints (see gathered.py), and what rank 0
+        # read at resume of the watermark this run builds on (their base).
+        self._chain = SnapshotChain(self.path, self.run)
+        self._resumed: tuple[dict[str, int], dict[str, int | None], Merged] | None = None
 
     # -- recording ---------------------------------------------------------------------------------
 
     def record(self, batch: Any, epoch: int) -> None:
-        """Note what a batch delivered to the training loop holds (consumed once committed)."""
+        """Note what a batch delivered to the training loop holds (consumed once committed). ``None`` is a step
+        with no data (``even_ends="pad"`` once this rank has run out): nothing to note."""
+        if batch is None:
+            return
         if isinstance(batch, dict) and PROVENANCE_FIELD in batch:  # LLM sequences: pieces of documents
             pieces = _pieces(batch)
             self._order.check(pieces, epoch)
@@ -154,6 +164,7 @@ class Ledger:
         }
         self._file.commits.append(commit)
         try:
+            self._mark_late(commit)
             self._file.save()
         except BaseException:
             self._file.commits.pop()  # (nothing changed: the same commit can be tried again)
@@ -161,8 +172,17 @@ class Ledger:
         self._to_record = {}
         self.commit_number += 1
         self.last_step = step
+        if step is not None:
+            self._highest_step = step if self._highest_step is None else max(self._highest_step, step)
         self.pending = {}
         return self.watermark()
+
+    def _mark_late(self, commit: dict[str, Any]) -> None:
+        """Before a commit of something at a step this rank already reached is saved, leave its late marker:
+        a snapshot of that step written before it would lack it (see snapshot.py)."""
+        step = commit["step"]
+        if step is not None and commit["epochs"] and self._highest_step is not None and step <= self._highest_step:
+            write_bytes_atomic(late_marker_url(self.path, self.run, self.rank, commit["commit"], step), b"")
 
     def watermark(self, epoch: int | None = None) -> dict[str, Any]:
         lineage, steps = dict(self.lineage), dict(self.lineage_steps)
@@ -213,6 +233,7 @@ class Ledger:
         def compute() -> ConsumedSet:
             self._wait_for_snapshot(lineage, steps)
             merged = self.merged(lineage, steps)
+            self._resumed = (dict(lineage), dict(steps or {}), merged)
             if self.rank == 0 and merged.files_read:
                 self._write_snapshot(merged, lineage, steps)
             consumed = merged.epochs.get(epoch, ConsumedSet())
@@ -229,7 +250,14 @@ class Ledger:
     def _snapshot_of(self, merged: Merged, lineage: dict[str, int], steps: dict[str, int | None] | None) -> Snapshot:
         recorded = dict(self._identities.recorded)
         return Snapshot(
-            self.path, dict(lineage), dict(steps or {}), merged.epochs, recorded, self._identities.unrecorded_seen
+            self.path,
+            dict(lineage),
+            dict(steps or {}),
+            merged.epochs,
+            recorded,
+            self._identities.unrecorded_seen,
+            ranks=merged.rank_commits(),
+            runs=merged.summaries(),
         )
 
     def _write_snapshot(self, merged: Merged, lineage: dict[str, int], steps: dict[str, int | None] | None) -> None:
@@ -274,20 +302,41 @@ class Ledger:
         self._to_record.update(self._identities.check(recent))
 
     def _check_dataset(self, consumed: ConsumedSet) -> None:
-        """Refuse, before anything is skipped, a dataset whose shards are not those the skip set names."""
-        self._to_record.update(self._identities.check({shard_of_key(k) for k in (*consumed.samples, *consumed.tokens)}))
+        """Refuse, before anything is skipped, a dataset whose shards are not those the skip set names.
+
+        Without a process group each of several ranks checks its own share of the shards (one index read per
+        shard per restart, as rank 0 alone does under torch.distributed, not one per shard per rank): a
+        shard that differs stops the rank that checks it, and any other rank that reads the shard is
+        stopped at its first commit, which checks every shard it recorded positions in. (Keys of later
+        passes of a mixture, ``URL#pass=p``, are checked under their shard's URL.)"""
+        shards = {shard_of_key(key) for key in (*consumed.samples, *consumed.tokens)}
+        if self.world_size > 1 and process_group() is None:
+            shards = {url for url in shards if zlib.crc32(url.encode()) % self.world_size == self.rank}
+        self._to_record.update(self._identities.check(shards))
 
     # -- checkpoints -------------------------------------------------------------------------------
 
     def checkpoint(self, loader: Any, step: int | None = None) -> dict[str, Any]:
-        """Commit and return what goes into the training checkpoint: the loader's state and the watermark."""
+        """Commit and return what goes into the training checkpoint: the loader's state and the watermark.
+
+        Under torch.distributed it is collective (every rank calls it at the same points, as it commits
+        anyway): rank 0 gathers the new commits and writes the snapshot of the watermark (gathered.py)."""
         state = loader.state_dict()
         watermark = self.commit(step)
         # The epoch the state is in, also right before the first batch after a resume (when the loader has
         # not started one yet). At an epoch's end, that epoch: other ranks may still be in it.
         epoch = state_epoch(state)
         watermark["epoch"] = _epoch_of(loader) if epoch is None else epoch
+        dist = process_group()
+        if dist is not None and self._file is not None:  # (every rank checkpoints at the same points)
+            self._chain.gather(self._file, watermark, self._base(), dist)
         return {"loader": state, "ledger": watermark}
+
+    def _base(self) -> Merged | None:
+        """What resume() read of the watermark this run resumed from, where it read exactly that."""
+        if self._resumed is not None and self._resumed[:2] == (self.lineage, self.lineage_steps):
+            return self._resumed[2]
+        return None
 
     def resume(self, loader: Any, saved: dict[str, Any] | None) -> str:
         """Resume ``loader`` from a checkpoint's ``data`` (what ``checkpoint`` returned).

@@ -5,20 +5,21 @@ parallel. Under torch.distributed, one rank reads and hands the result to the ot
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import defaultdict
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 
 from wdsraft.core.errors import LedgerError, StateMismatchError
 from wdsraft.ledger.consumed import ConsumedSet
-from wdsraft.ledger.identity import ShardIdentities
-from wdsraft.ledger.rank_file import RankFile, counted
+from wdsraft.ledger.identity import Identity, ShardIdentities
+from wdsraft.ledger.rank_file import RankFile, RunSummary, counted
 from wdsraft.ledger.reading import list_rank_files, parallel_map, read_bytes
-from wdsraft.ledger.snapshot import Snapshot, find_snapshot
+from wdsraft.ledger.snapshot import Snapshot, find_snapshot, late_commits
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +31,22 @@ class Merged:
     epochs: dict[int, ConsumedSet]
     snapshot: Snapshot | None  # the snapshot it started from
     files_read: int  # rank files read besides it
+    read_ranks: dict[str, dict[int, int]] = field(default_factory=dict)  # of the runs read: rank -> last commit
+    stale: set[str] = field(default_factory=set)  # runs of the snapshot read again for late commits
+    shards: dict[str, Identity] = field(default_factory=dict)  # the dataset identities recorded
+    unrecorded: bool = False  # some commit merged records none (an older wdsraft wrote it)
+    read_runs: dict[str, RunSummary] = field(default_factory=dict)  # the summaries of the runs read
+    reread: set[str] = field(default_factory=set)  # the runs whose files were read
+
+    def rank_commits(self) -> dict[str, dict[int, int]]:
+        """Per run, each rank's last commit counted (from the snapshot for the runs it covered)."""
+        kept = self.snapshot.rank_commits() if self.snapshot is not None else {}
+        return {run: dict(per) for run, per in kept.items() if run not in self.reread} | self.read_ranks
+
+    def summaries(self) -> dict[str, RunSummary]:
+        """Per run of the lineage, what its files say (from the snapshot for the runs it covered)."""
+        kept = self.snapshot.summaries() if self.snapshot is not None else {}
+        return {run: summary for run, summary in kept.items() if run not in self.reread} | self.read_runs
 
 
 def read_rank_files(urls: list[str], progress: str | None = None) -> Iterator[RankFile]:
@@ -45,26 +62,45 @@ def merge_under(
     identities: ShardIdentities,
     use_snapshots: bool = True,
     progress: str | None = None,
+    known: Iterable[RankFile] = (),
+    have: Snapshot | None = None,
 ) -> Merged:
     """Merge what the commits counted under the watermark consumed, per epoch, learning the dataset
     identities they recorded into ``identities``. Only the runs of the lineage are listed and read: the
-    commits of other runs never count."""
-    snapshot = find_snapshot(path, lineage, steps) if use_snapshots and lineage else None
+    commits of other runs never count. ``known``, ``have``: rank files (whole) and a snapshot read already."""
+    snapshot = find_snapshot(path, lineage, steps, have) if use_snapshots and lineage else None
     epochs: dict[int, ConsumedSet] = defaultdict(ConsumedSet)
-    runs = set(lineage)
+    ranks: dict[str, dict[int, int]] = {}
+    summaries: dict[str, RunSummary] = {}
+    runs, stale = set(lineage), set()
     if snapshot is not None:
         epochs.update(snapshot.epochs)
         identities.learn_recorded(snapshot.shards, snapshot.unrecorded, snapshot.url)
-        runs = snapshot.runs_to_read(lineage, steps)
+        stale = snapshot.stale(late_commits(path))
+        if stale:
+            logger.warning(
+                "ledger snapshot %s: ranks of runs %s committed within it after it was written: reading their files",
+                snapshot.url,
+                ", ".join(sorted(stale)),
+            )
+        runs = snapshot.runs_to_read(lineage, steps) | stale
         logger.info("ledger: read %s; %d runs after it to read", snapshot.url, len(runs))
     urls = list_rank_files(path, runs) if runs else []
-    for rank_file in read_rank_files(urls, progress):
+    given = {rank_file.url: rank_file for rank_file in known}
+    fetch = [url for url in urls if url not in given]
+    for rank_file in itertools.chain((given[url] for url in urls if url in given), read_rank_files(fetch, progress)):
+        summaries.setdefault(rank_file.run, RunSummary(rank_file.run, rank_file.world_size)).add_file(rank_file)
         for commit in rank_file.commits:
             if counted(commit, rank_file.run, lineage, steps):
                 identities.learn(commit, rank_file.url)
+                per_run = ranks.setdefault(rank_file.run, {})
+                per_run[rank_file.rank] = max(per_run.get(rank_file.rank, 0), commit["commit"])
                 for epoch, record in commit["epochs"].items():
                     epochs[int(epoch)].update(ConsumedSet.from_plain(record))
-    return Merged(dict(sorted(epochs.items())), snapshot, len(urls))
+    merged = Merged(dict(sorted(epochs.items())), snapshot, len(fetch), ranks, stale)
+    merged.shards, merged.unrecorded = dict(identities.recorded), identities.unrecorded_seen
+    merged.read_runs, merged.reread = summaries, set(runs)
+    return merged
 
 
 def shared(compute: Callable[[], ConsumedSet], identities: ShardIdentities) -> ConsumedSet:

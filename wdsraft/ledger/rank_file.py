@@ -9,6 +9,8 @@ import logging
 import os
 import secrets
 import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 from wdsraft.core.errors import LedgerError
@@ -83,6 +85,7 @@ class RankFile:
         self.parent = parent  # the watermark the run resumed from: earlier runs -> commit (and step)
         self.parent_steps = parent_steps or {}
         self.commits: list[dict[str, Any]] = []
+        self.size = 0  # bytes, as last read or written
 
     def to_bytes(self) -> bytes:
         record = {
@@ -95,8 +98,13 @@ class RankFile:
         }
         return seal(LEDGER_FORMAT, LEDGER_VERSION, record)
 
+    def parents(self) -> list[Any]:
+        return [self.parent, self.parent_steps]
+
     def save(self) -> None:
-        write_bytes_atomic(self.url, self.to_bytes())
+        data = self.to_bytes()
+        write_bytes_atomic(self.url, data)
+        self.size = len(data)
 
     @classmethod
     def parse(cls, url: str, raw: bytes) -> RankFile:
@@ -109,6 +117,7 @@ class RankFile:
             url, record["run"], record["rank"], record["world_size"], record["parent"], record.get("parent_steps")
         )
         loaded.commits = record["commits"]
+        loaded.size = len(raw)
         return loaded
 
 
@@ -122,8 +131,8 @@ def _check_structure(record: Any) -> None:
 
     need(isinstance(record, dict), "the body is not a map")
     need(isinstance(record.get("run"), str), "no run id")
-    for field in ("rank", "world_size"):
-        need(isinstance(record.get(field), int), f"{field} is not an integer")
+    for name in ("rank", "world_size"):
+        need(isinstance(record.get(name), int), f"{name} is not an integer")
     need(isinstance(record.get("parent"), dict), "parent is not a map")
     need(isinstance(record.get("parent_steps", {}) or {}, dict), "parent_steps is not a map")
     commits = record.get("commits")
@@ -167,37 +176,119 @@ def counted(
     return bool(commit["commit"] <= lineage[run])
 
 
+def mark_of(commit: dict[str, Any]) -> int:
+    """A commit's place in its run: its step, or minus its commit number where it has no step."""
+    return int(commit["step"]) if commit.get("step") is not None else -int(commit["commit"])
+
+
+def commit_entries(commits: list[dict[str, Any]], seen: set[int]) -> list[list[Any]]:
+    """What a summary takes of each of a rank's commits: [mark, commit, time, step, whether it is the rank's
+    first commit at that mark]; ``seen``, the marks of its earlier commits, is updated."""
+    entries = []
+    for commit in commits:
+        mark = mark_of(commit)
+        entries.append(
+            [mark, int(commit["commit"]), float(commit.get("time") or 0.0), commit.get("step"), mark not in seen]
+        )
+        seen.add(mark)
+    return entries
+
+
+@dataclass
+class RunSummary:
+    """What a run's rank files say, in little: each rank file's size and number of commits, the marks
+    (steps) committed with how many ranks reached each, the last step, the watermarks the ranks resumed
+    from. Kept in snapshots, so that `ledger show` reads the files of only the runs a snapshot does not
+    cover; built from rank files (``add_file``) or from the commits gathered at checkpoints (``add``)."""
+
+    run: str
+    world_size: int
+    files: dict[int, list[int]] = field(default_factory=dict)  # rank -> [bytes of its file, commits in it]
+    marks: dict[int, list[Any]] = field(default_factory=dict)  # mark -> [ranks there, highest commit, last time]
+    last_step: int | None = None
+    parents: list[list[dict[str, Any]]] = field(default_factory=list)  # distinct [lineage, steps] resumed from
+
+    def add(self, rank: int, size: int, count: int, entries: list[list[Any]], parent: list[Any]) -> None:
+        """Take in what a rank's file, now ``size`` bytes and ``count`` commits long, added: ``entries`` of
+        ``commit_entries``, one per new commit."""
+        self.files[rank] = [size, count]
+        for mark, commit, when, step, first in entries:
+            entry = self.marks.setdefault(mark, [0, 0, 0.0])
+            entry[0] += int(first)
+            entry[1], entry[2] = max(entry[1], commit), max(entry[2], when)
+            if step is not None:
+                self.last_step = step if self.last_step is None else max(self.last_step, step)
+        if parent not in self.parents:
+            self.parents.append(parent)
+
+    def add_file(self, rank_file: RankFile) -> None:
+        entries = commit_entries(rank_file.commits, set())
+        self.add(rank_file.rank, rank_file.size, len(rank_file.commits), entries, rank_file.parents())
+
+    def complete(self) -> dict[int, tuple[int, float]]:
+        """The marks every rank of the run committed at, each with the highest commit number there and the
+        time of the last of those commits; none where a rank never committed."""
+        if len(self.files) < self.world_size:
+            return {}
+        return {mark: (commit, when) for mark, (ranks, commit, when) in self.marks.items() if ranks >= self.world_size}
+
+    def commits(self) -> int:
+        """The most commits a rank file of the run holds."""
+        return max((count for _, count in self.files.values()), default=0)
+
+    def last_commit(self) -> int:
+        """The highest commit number of the run."""
+        return max((commit for _, commit, _ in self.marks.values()), default=0)
+
+    def to_plain(self) -> dict[str, Any]:
+        return {
+            "world_size": self.world_size,
+            "files": self.files,
+            "marks": self.marks,
+            "last_step": self.last_step,
+            "parents": self.parents,
+        }
+
+    @classmethod
+    def from_plain(cls, run: str, record: dict[str, Any]) -> RunSummary:
+        return cls(
+            run,
+            int(record["world_size"]),
+            {int(rank): [int(size), int(count)] for rank, (size, count) in record["files"].items()},
+            {int(mark): list(entry) for mark, entry in record["marks"].items()},
+            record["last_step"],
+            [list(parent) for parent in record["parents"]],
+        )
+
+
+def summarize(files: Iterable[RankFile]) -> dict[str, RunSummary]:
+    """The summaries of the runs of some rank files (each file read whole)."""
+    runs: dict[str, RunSummary] = {}
+    for rank_file in files:
+        runs.setdefault(rank_file.run, RunSummary(rank_file.run, rank_file.world_size)).add_file(rank_file)
+    return runs
+
+
 def complete_steps(files: list[RankFile]) -> dict[str, dict[int, tuple[int, float]]]:
     """Per run, the steps at which every rank of the run committed, each with the highest commit number
     of the ranks there and the time of the last of those commits. A checkpoint is committed only once
     every rank wrote it, after committing the ledger: a step that some rank never reached is no
     checkpoint anyone can resume from. Commits without a step are keyed by minus their commit number."""
-    by_run: dict[str, list[RankFile]] = {}
-    for rank_file in files:
-        by_run.setdefault(rank_file.run, []).append(rank_file)
-    complete: dict[str, dict[int, tuple[int, float]]] = {}
-    for run, rank_files in by_run.items():
-        if len({f.rank for f in rank_files}) < rank_files[0].world_size:
-            continue  # a rank that never committed: no step of this run is complete
-        marks: list[dict[int, tuple[int, float]]] = []
-        for rank_file in rank_files:
-            per_rank: dict[int, tuple[int, float]] = {}
-            for commit in rank_file.commits:
-                mark = commit["step"] if commit.get("step") is not None else -commit["commit"]
-                per_rank[mark] = (commit["commit"], float(commit.get("time") or 0.0))
-            marks.append(per_rank)
-        shared = set(marks[0]).intersection(*marks[1:])
-        complete[run] = {mark: (max(m[mark][0] for m in marks), max(m[mark][1] for m in marks)) for mark in shared}
-    return complete
+    return {run: summary.complete() for run, summary in summarize(files).items() if summary.complete()}
 
 
 def committed_watermark(files: list[RankFile]) -> tuple[dict[str, int], dict[str, int | None], str]:
+    """The watermark of the newest step every rank of a run committed (``committed_in``) of rank files."""
+    return committed_in(summarize(files))
+
+
+def committed_in(runs: dict[str, RunSummary]) -> tuple[dict[str, int], dict[str, int | None], str]:
     """The watermark of the newest step every rank of a run committed (what a checkpoint there builds on):
     (run -> commit, run -> step, a description). Empty where no run has such a step."""
-    complete = {run: marks for run, marks in complete_steps(files).items() if marks}
+    complete = {run: marks for run, summary in runs.items() if (marks := summary.complete())}
     # Lineage first: a run another complete run resumed from is older, whatever the clocks of their nodes
     # say (each rank stamps commits with its own clock). Time only orders unrelated runs.
-    ancestors = {parent for f in files if f.run in complete for parent in f.parent if parent != f.run}
+    ancestors = {parent for run in complete for lineage, _ in runs[run].parents for parent in lineage if parent != run}
     newest: tuple[float, str] | None = None
     for run, marks in complete.items():
         if run not in ancestors:
@@ -210,10 +301,9 @@ def committed_watermark(files: list[RankFile]) -> tuple[dict[str, int], dict[str
     commit = complete[run][mark][0]
     lineage: dict[str, int] = {}
     steps: dict[str, int | None] = {}
-    for rank_file in files:  # (the ranks of a run resume from one checkpoint: their parents agree)
-        if rank_file.run == run:
-            lineage.update(rank_file.parent)
-            steps.update(rank_file.parent_steps)
+    for parent, parent_steps in runs[run].parents:  # (the ranks of a run resume from one checkpoint: they agree)
+        lineage.update(parent)
+        steps.update(parent_steps)
     lineage[run], steps[run] = commit, (mark if mark >= 0 else None)
     where = f"step {mark}" if mark >= 0 else f"commit {commit}"
     return lineage, steps, f"the newest step every rank of a run committed: run {run}, {where}"

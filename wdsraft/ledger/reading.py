@@ -156,3 +156,26 @@ def list_under(path: str, folder: str) -> list[str]:
     if local is not None:
         return sorted(os.path.join(local, f) for f in os.listdir(local)) if os.path.isdir(local) else []
     return [item.url for item in list_objects(url.rstrip("/") + "/", delimiter="/")]
+
+
+def list_runs(path: str) -> list[str]:
+    """The run ids of a ledger (its ``run-RUN`` folders), in one listing."""
+    local = local_path(path)
+    if local is not None:
+        names = sorted(os.listdir(local)) if os.path.isdir(local) else []
+        return [n[len("run-") :] for n in names if n.startswith("run-") and os.path.isdir(os.path.join(local, n))]
+    bucket, prefix = split_s3_url(path)
+    base = prefix.rstrip("/") + "/" if prefix else ""
+    paginator = _client(os.getpid(), s3_endpoint_url(), CONCURRENCY).get_paginator("list_objects_v2")
+    runs = []
+    for page in paginator.paginate(Bucket=bucket, Prefix=base, Delimiter="/"):
+        for common in page.get("CommonPrefixes", []):
+            name = common["Prefix"][len(base) :].rstrip("/")
+            if name.startswith("run-"):
+                runs.append(name[len("run-") :])
+    return sorted(runs)
+
+
+def list_objects_sized(prefix_url: str) -> list[tuple[str, int]]:
+    """(name after the prefix, size) of the objects directly under an S3 prefix."""
+    return [(item.name, item.size) for item in list_objects(prefix_url, delimiter="/")]

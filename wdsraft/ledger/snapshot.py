@@ -6,13 +6,22 @@ object plus the files of the runs it does not cover, instead of one file per ran
 A snapshot is trusted only where it is provably a part of what is being read: it must be whole (its
 checksum), of this ledger, and its watermark within the one read (no run outside that lineage, no run
 counted further). Otherwise it is ignored with a warning naming it, and the rank files are read.
+
+A snapshot holds a run's commits up to a step as they were when it was written. A rank that later commits
+something at a step it had already reached (a second checkpoint at one step, say) leaves a *late marker*
+first, ``PATH/late/run-RUN/rank-NNNNN.commit-N.step-S``; a snapshot that covers that step of the run but not
+that rank's commit N is stale for the run, whose files are then read again on top of it (one listing of
+``PATH/late/`` per read: late commits are rare). The snapshot records, per run, each rank's last commit it
+merged, to tell.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import posixpath
+import re
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -20,18 +29,23 @@ from dataclasses import dataclass, field
 import msgpack
 
 from wdsraft.core.errors import LedgerError
-from wdsraft.io.storage import write_bytes_atomic
+from wdsraft.io.s3 import list_objects
+from wdsraft.io.storage import local_path, write_bytes_atomic
 from wdsraft.ledger.consumed import ConsumedSet
 from wdsraft.ledger.envelope import seal, unseal
 from wdsraft.ledger.identity import Identity
+from wdsraft.ledger.rank_file import RunSummary
 from wdsraft.ledger.reading import list_under, parallel_map, read_optional
 
 logger = logging.getLogger(__name__)
 
 SNAPSHOT_FORMAT = "wdsraft-ledger-snapshot"
-SNAPSHOT_VERSION = 1
+SNAPSHOT_VERSION = 2  # (2: per-run rank commits; a version 1 snapshot is ignored, the files read)
 SNAPSHOT_DIR = "snapshots"
 SNAPSHOT_SUFFIX = ".snapshot"
+LATE_DIR = "late"
+LATEST = "latest"  # (in SNAPSHOT_DIR: the URL of the snapshot written last)
+_LATE_NAME = re.compile(r"rank-(\d+)\.commit-(\d+)\.step-(\d+)$")
 
 #: Snapshots read at most when none is named by the watermark itself (one per branch of rewinds, say).
 SCAN_LIMIT = 16
@@ -65,6 +79,27 @@ class Snapshot:
     shards: dict[str, Identity] = field(default_factory=dict)  # dataset identities the commits recorded
     unrecorded: bool = False  # some commit was written before identities were recorded
     url: str = ""
+    ranks: dict[str, dict[int, int]] = field(default_factory=dict)  # run -> rank -> its last commit merged
+    runs: dict[str, RunSummary] = field(default_factory=dict)  # what the files of the runs it covers said
+    # ``ranks`` and ``runs`` as read, msgpack each, decoded on first use: a resume needs neither unless there
+    # are late commits, and decoding them would triple the time to parse a snapshot of 8,000 ranks x 20 runs.
+    packed: dict[str, bytes] = field(default_factory=dict, repr=False, compare=False)
+
+    def rank_commits(self) -> dict[str, dict[int, int]]:
+        """Per run it covers, each rank's last commit merged."""
+        raw = self.packed.pop("ranks", None)
+        if raw is not None:
+            plain = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+            self.ranks = {str(run): {int(k): int(n) for k, n in per.items()} for run, per in plain.items()}
+        return self.ranks
+
+    def summaries(self) -> dict[str, RunSummary]:
+        """Per run it covers, what its files said when it was written."""
+        raw = self.packed.pop("runs", None)
+        if raw is not None:
+            plain = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+            self.runs = {str(run): RunSummary.from_plain(str(run), record) for run, record in plain.items()}
+        return self.runs
 
     def to_bytes(self) -> bytes:
         record = {
@@ -75,6 +110,8 @@ class Snapshot:
             "epochs": {str(epoch): consumed.to_plain() for epoch, consumed in self.epochs.items()},
             "shards": self.shards,
             "unrecorded": self.unrecorded,
+            "ranks": msgpack.packb(self.rank_commits()),
+            "runs": msgpack.packb({run: summary.to_plain() for run, summary in self.summaries().items()}),
         }
         return seal(SNAPSHOT_FORMAT, SNAPSHOT_VERSION, record)
 
@@ -92,6 +129,7 @@ class Snapshot:
                 dict(record["shards"]),
                 bool(record["unrecorded"]),
                 url,
+                packed={"ranks": _packed(record["ranks"]), "runs": _packed(record["runs"])},
             )
         except (KeyError, ValueError, TypeError, AttributeError) as exn:
             raise LedgerError(url, f"checksum right but not the structure of a ledger snapshot ({exn!r})") from None
@@ -120,20 +158,81 @@ class Snapshot:
                 )
         return None
 
-    def runs_to_read(self, lineage: dict[str, int], steps: dict[str, int | None] | None) -> set[str]:
-        """The runs of a watermark (that this snapshot is within) whose files hold commits it lacks."""
+    def runs_to_read(
+        self, lineage: dict[str, int], steps: dict[str, int | None] | None, late: Late | None = None
+    ) -> set[str]:
+        """The runs of a watermark (that this snapshot is within) whose files hold commits it lacks: those
+        it counts less far, and those with a late commit (see ``late_commits``) within its mark it lacks."""
         mine = marks(self.lineage, self.steps)
-        return {run for run, mark in marks(lineage, steps).items() if mine.get(run) != mark}
+        return {run for run, mark in marks(lineage, steps).items() if mine.get(run) != mark} | self.stale(late or {})
+
+    def stale(self, late: Late) -> set[str]:
+        """The runs this snapshot covers of which a rank committed, at a step within its mark, after it was
+        written: their files hold what it lacks."""
+        found = set()
+        for run, (kind, value) in marks(self.lineage, self.steps).items():
+            if kind != "step" or not late.get(run):
+                continue
+            merged = self.rank_commits().get(run, {})
+            if any(step <= value and merged.get(rank, 0) < n for rank, n, step in late.get(run, ())):
+                found.add(run)
+        return found
 
 
-def find_snapshot(path: str, lineage: dict[str, int], steps: dict[str, int | None] | None) -> Snapshot | None:
+def _packed(value: object) -> bytes:
+    if not isinstance(value, bytes):
+        raise TypeError(f"{type(value).__name__} where packed bytes belong")
+    return value
+
+
+Late = dict[str, list[tuple[int, int, int]]]  # run -> (rank, commit, step) of its late commits
+
+
+def late_marker_url(path: str, run: str, rank: int, commit: int, step: int) -> str:
+    return posixpath.join(path, LATE_DIR, f"run-{run}", f"rank-{rank:05d}.commit-{commit}.step-{step}")
+
+
+def late_commits(path: str) -> Late:
+    """The late commits of a ledger, from the names of its late markers (one listing)."""
+    found: Late = {}
+    local = local_path(path)
+    if local is not None:
+        base = os.path.join(local, LATE_DIR)
+        names = [
+            (folder, name)
+            for folder in (sorted(os.listdir(base)) if os.path.isdir(base) else [])
+            if os.path.isdir(os.path.join(base, folder))
+            for name in sorted(os.listdir(os.path.join(base, folder)))
+        ]
+    else:
+        items = list_objects(posixpath.join(path, LATE_DIR).rstrip("/") + "/")
+        names = [tuple(item.name.split("/", 1)) for item in items if item.name.count("/") == 1]  # type: ignore[misc]
+    for folder, name in names:  # (anything else there is not a marker: ignored)
+        matched = _LATE_NAME.match(name)
+        if folder.startswith("run-") and matched:
+            rank, commit, step = (int(group) for group in matched.groups())
+            found.setdefault(folder[len("run-") :], []).append((rank, commit, step))
+    return found
+
+
+def find_snapshot(
+    path: str, lineage: dict[str, int], steps: dict[str, int | None] | None, have: Snapshot | None = None
+) -> Snapshot | None:
     """The snapshot to start reading ``path`` under a watermark from: the one of that watermark itself
-    (one read), else the usable one covering the most runs among those in ``PATH/snapshots``. Those that
-    may not be used are skipped with a warning saying why."""
+    (one read, none where ``have`` is it), else the one written last if it is within the watermark,
+    else the usable one covering the most runs among those in ``PATH/snapshots``. Those that may not be
+    used are skipped with a warning saying why."""
     exact = snapshot_url(path, lineage, steps)
+    if have is not None and have.url == exact and have.refusal(path, lineage, steps) is None:
+        return have
     found = _usable(exact, read_optional(exact), path, lineage, steps)
     if found is not None:
         return found
+    # The snapshot written last, where it is within the watermark: the newest part of it there is (rank 0
+    # keeps a few per run, so the folder may hold many large snapshots not worth reading one by one).
+    latest = latest_snapshot(path)
+    if latest is not None and latest.url != exact and latest.refusal(path, lineage, steps) is None:
+        return latest
     others = [url for url in list_under(path, SNAPSHOT_DIR) if url.endswith(SNAPSHOT_SUFFIX) and url != exact]
     if len(others) > SCAN_LIMIT:
         logger.info("%d ledger snapshots in %s: reading %d of them", len(others), path, SCAN_LIMIT)
@@ -166,11 +265,34 @@ def _usable(
 
 
 def write_snapshot(snapshot: Snapshot) -> str:
-    """Write ``snapshot`` (atomically) under its ledger, named by its watermark; returns its URL."""
+    """Write ``snapshot`` (atomically) under its ledger, named by its watermark, and point ``latest`` at it
+    (where ``ledger show`` starts); returns its URL."""
     url = snapshot_url(snapshot.ledger, snapshot.lineage, snapshot.steps)
     write_bytes_atomic(url, snapshot.to_bytes())
     snapshot.url = url
+    write_bytes_atomic(posixpath.join(snapshot.ledger, SNAPSHOT_DIR, LATEST), url.encode())
     return url
+
+
+def latest_snapshot(path: str) -> Snapshot | None:
+    """The snapshot written last (``latest`` names it), if it is there, whole and of this ledger."""
+    pointer = read_optional(posixpath.join(path, SNAPSHOT_DIR, LATEST))
+    if pointer is None:
+        return None
+    url = pointer.decode(errors="replace")
+    if not url.startswith(path.rstrip("/") + "/" + SNAPSHOT_DIR + "/"):
+        logger.warning("ignoring %s/%s/%s: it names %s, not a snapshot of this ledger", path, SNAPSHOT_DIR, LATEST, url)
+        return None
+    raw = read_optional(url)
+    try:
+        snapshot = Snapshot.parse(url, raw) if raw is not None else None
+    except LedgerError as exn:
+        logger.warning("ignoring the ledger snapshot %s: %s", url, exn)
+        return None
+    if snapshot is not None and snapshot.ledger.rstrip("/") != path.rstrip("/"):
+        logger.warning("ignoring the ledger snapshot %s: it is the snapshot of another ledger", url)
+        return None
+    return snapshot
 
 
 def snapshot_urls(path: str) -> Iterable[str]:
