@@ -271,6 +271,42 @@ def test_cache_repeats_the_first_pass_of_a_reshuffled_stream(urls, tmp_path) -> 
         resume(lambda: make(None), states[30])
 
 
+@pytest.mark.parametrize("upstream", ["concat", "loader"])
+def test_cache_after_numbered_items_checks_a_rebuild_by_their_contents(urls, tmp_path, upstream) -> None:
+    """After a concat or a WebLoader, items are addressed by their number in the pass, which says nothing
+    of which sample it was: a rebuilt cache is checked against the items' contents. Upstream reshuffles
+    every epoch: an in-memory cache lost mid-read refuses (it used to accept any 21 items and serve the
+    next epoch's order); on disk, or with a stream that stays the same, every resume is exact."""
+
+    def make(directory, shardshuffle):
+        base = _base(urls[:3], shardshuffle=shardshuffle)
+        base = base.shuffle(4, seed=2) if shardshuffle else base
+        head = wds.concat_datasets([base]) if upstream == "concat" else _loader(base, 0)
+        return wds.DataPipeline(head, wds.cache_samples(directory)).repeat(2)
+
+    _stream, states = states_along(lambda: make(None, 3))
+    with pytest.raises(StateMismatchError, match=r"stage \d+ \(cache\): the 21 items before it differ"):
+        resume(lambda: make(None, 3), states[26])
+    stream = assert_resumes_everywhere(lambda: make(tmp_path, 3), kill_points=[0, 5, 21, 26, 41], same_shape=False)
+    assert stream[:21] == stream[21:]
+    assert_resumes_everywhere(lambda: make(None, False), kill_points=[3, 21, 26], same_shape=False)
+
+
+def test_cache_of_unpicklable_numbered_items_runs_but_refuses_an_unchecked_rebuild(urls) -> None:
+    """Items without a shard position and without a pickle (a lock in a field) cannot be checked on a
+    rebuild: the passes run, and only a restore that must rebuild refuses, saying why."""
+    import threading
+
+    def make():
+        concat = wds.concat_datasets([_base(urls[:1]).map(lambda s: {**s, "lock": threading.Lock()})])
+        return wds.DataPipeline(concat, wds.cache_samples()).repeat(2)
+
+    stream, states = states_along(make)
+    assert [key for key, _ in stream] == KEYS[:7] * 2
+    with pytest.raises(StateMismatchError, match="could not be pickled, so a rebuild"):
+        resume(make, states[9])
+
+
 def test_in_memory_cache_lost_twice_in_one_pass_is_refused(urls) -> None:
     """A pass that rebuilt a lost in-memory cache has read upstream to its end: a state taken in it, loaded
     in yet another process, cannot rebuild again, and says so (rather than hand out nothing)."""

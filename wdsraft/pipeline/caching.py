@@ -2,10 +2,10 @@
 them out from there in later passes (epochraft's ``cache``), checkpointable in both phases.
 
 The first pass reads upstream and fills the cache as items go out; later passes read the cache and
-pull nothing from upstream (no shard is opened). A cache is a digest of its items' positions (or
-bytes, for items without one) as well as the items, so a cache lost in a restart (in memory, a new
-process) is rebuilt from upstream and checked against the digest the state carries, before any item
-goes out: the stream before ``cache`` must then be the same every pass, and a different one raises.
+pull nothing from upstream (no shard is opened). A cache is a digest of its items' shard positions
+(or pickled bytes, where positions are only numbers in a pass: after a concat, a mix or a WebLoader)
+as well as the items, so a cache lost in a restart (in memory, a new process) is rebuilt from upstream
+and checked against the digest the state carries, before any item goes out: the stream before ``cache`` must then be the same every pass, and a different one raises.
 On disk, the file is written atomically at the end of a whole pass, named by the pipeline's
 configuration before the stage and by the rank and worker, and checked (a SHA-256 of its content,
 its configuration) before it is trusted: a torn file, or one of another configuration, is rebuilt
@@ -42,10 +42,29 @@ class _Filled:
         self.items, self.addresses, self.digest = items, addresses, digest
 
 
+#: The digest of a pass with an item that has neither a shard position nor a pickle: a rebuild cannot be checked.
+UNCHECKABLE = "uncheckable"
+
+
 def _step(digest: str, item: Any, address: Address | None) -> str:
-    """The running digest after one more item: its position, or its bytes where it has no position."""
-    material = repr(address).encode() if address is not None else pickle.dumps(item, protocol=4)
+    """The running digest after one more item: its shard position (``address``, given only where it names
+    one), or else its pickled bytes."""
+    if digest == UNCHECKABLE:
+        return digest
+    if address is not None:
+        material = repr(address).encode()
+    else:
+        try:
+            material = pickle.dumps(item, protocol=4)
+        except (pickle.PicklingError, TypeError, AttributeError):
+            return UNCHECKABLE  # (refused only if a rebuild must be checked: a run that never resumes is fine)
     return hashlib.blake2b(bytes.fromhex(digest) + material, digest_size=16).hexdigest()
+
+
+def _absolute(ctx: Context) -> bool:
+    """Whether items' addresses are shard positions, the same in any pass and process. After a concat, a
+    mix or a WebLoader they are the items' numbers in the pass, which say nothing of what the items were."""
+    return isinstance(ctx.source, (TarfileToSamples, ClientReader))
 
 
 def _copy(item: Any) -> Any:
@@ -121,12 +140,13 @@ class cache(Curried, Stage):
 
     def _fill(self, ctx: Context, src: Iterator[Any], whole: bool) -> Iterator[Any]:
         tracker = AddressTracker(ctx)
+        absolute = _absolute(ctx)
         items: list[Any] = []
         addresses: list[Address | None] = []
         self._spent = True
         for item in src:
             address = tracker.address()
-            self._running = _step(self._running, item, address)
+            self._running = _step(self._running, item, address if absolute else None)
             if whole:
                 items.append(_copy(item))  # (stages after this one may change the item they get)
                 addresses.append(address)
@@ -142,7 +162,7 @@ class cache(Curried, Stage):
             self._rebuild(ctx, src)
         filled = self._filled
         assert filled is not None
-        absolute = isinstance(ctx.source, (TarfileToSamples, ClientReader))  # (positions valid in any pass)
+        absolute = _absolute(ctx)  # (only shard positions are stamped again: numbers in a pass are not)
         for index in range(self._index, len(filled.items)):
             address = filled.addresses[index]
             if absolute and address is not None:
@@ -162,12 +182,19 @@ class cache(Curried, Stage):
             )
         self._spent = True
         tracker = AddressTracker(ctx)
+        absolute = _absolute(ctx)
         items, addresses, digest = [], [], ""
         for item in src:
             address = tracker.address()
-            digest = _step(digest, item, address)
+            digest = _step(digest, item, address if absolute else None)
             items.append(_copy(item))
             addresses.append(address)
+        if self._expected == UNCHECKABLE:
+            raise StateMismatchError(
+                f"stage {self.index} (cache): its cache is gone (an in-memory cache in a new process) and the "
+                "items of the pass that filled it could not be pickled, so a rebuild from upstream cannot be "
+                "checked against them; make the items before cache() picklable"
+            )
         if digest != self._expected:
             raise StateMismatchError(
                 f"stage {self.index} (cache): the {len(items)} items before it differ from the pass that "
