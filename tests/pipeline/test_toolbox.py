@@ -148,6 +148,26 @@ def test_enumerate_remembers_a_bounded_number_of_samples(urls) -> None:
     assert pipeline.state_dict()  # and what is held still has its number
 
 
+@pytest.mark.parametrize("after", ["shuffle", "parallel_map"])
+def test_enumerate_pruning_keeps_the_number_of_the_sample_going_out(urls, after) -> None:
+    """Pruning (more than ``keep`` numbers remembered) happens as a sample is numbered, before any stage
+    after it holds that sample: its number must survive, or a state taken while it is held cannot give
+    it back (a shuffle buffer or the items in flight, smaller than keep, hold it next)."""
+
+    def make():
+        stage = wds.enumerate()
+        stage.keep = 8
+        dataset = _base(urls).compose(stage)
+        if after == "shuffle":
+            dataset = dataset.shuffle(5, initial=5, seed=1)
+        else:
+            dataset = dataset.parallel_map(lambda sample: sample, max_workers=1, prefetch_factor=6)
+        return dataset.to_tuple("__key__", "step")
+
+    stream = assert_resumes_everywhere(make, kill_points=list(range(0, N + 1, 3)))
+    assert sorted(step for _, step in stream) == list(range(N))
+
+
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(kill=st.integers(0, 45))
 def test_enumerate_resumes_through_two_workers(urls, kill) -> None:

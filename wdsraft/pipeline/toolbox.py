@@ -93,10 +93,10 @@ class enumerate(Curried, Stage):
             if remember:
                 address = tracker.address()
                 if address is not None:
-                    self._numbers[address] = number
-                    if len(self._numbers) > limit:
+                    if len(self._numbers) >= limit:  # (before this sample goes in: no stage holds it yet)
                         self._numbers = {a: self._numbers[a] for a in self._held()}
                         limit = max(self.keep, 2 * len(self._numbers))  # (a big buffer: prune seldom)
+                    self._numbers[address] = number
             yield self._numbered(sample, number)
 
     def _numbered(self, sample: Any, number: int) -> Any:
