@@ -369,6 +369,38 @@ def test_cache_file_of_another_dataset_is_refused(urls, other_urls, tmp_path) ->
     assert Path(ours).exists()
 
 
+@pytest.mark.parametrize("indexed", [False, True])
+@pytest.mark.parametrize("upstream", ["shards", "concat"])
+def test_cache_file_of_rewritten_shards_is_refused_and_rebuilt(tmp_path, indexed, upstream) -> None:
+    """A file is named by the configuration, which names shards by URL: the shards re-converted under the
+    same names (other contents, same sizes) must not be served from it. The file records the identities
+    of the shards its items came from (the index's sha256, else the local file's size and mtime)."""
+
+    def write(offset: int) -> list[str]:
+        with wds.ShardWriter(str(tmp_path / "rw-%02d.tar"), maxcount=4, verbose=0) as sink:  # (indexes them)
+            for n in range(8):
+                sink.write({"__key__": f"{n:05d}", "txt": str(offset + n)})
+        urls = sorted(str(p) for p in tmp_path.glob("rw-*.tar"))
+        for url in [] if indexed else urls:
+            os.remove(url + ".idx")
+        return urls
+
+    def texts(urls) -> list[bytes]:
+        directory = tmp_path / "cache"
+        if upstream == "concat":  # (the shards named by the items' __url__: their positions are numbers)
+            pipeline = wds.DataPipeline(wds.concat_datasets([_base(urls)]), wds.cache_samples(directory))
+            return [sample["txt"] for sample in pipeline]
+        # (tuples, without __url__: the shards named by the items' positions)
+        return [text for (text,) in _base(urls).to_tuple("txt").cache(directory)]
+
+    urls = write(10)
+    assert texts(urls) == [str(10 + n).encode() for n in range(8)]
+    write(20)  # (the same sizes: only the index's sha256, or the mtime, tells them apart)
+    with pytest.warns(UserWarning, match=rf"ignoring .*cache-.*: shard {urls[0]} changed since it was written"):
+        assert texts(urls) == [str(20 + n).encode() for n in range(8)]
+    assert texts(urls) == [str(20 + n).encode() for n in range(8)]  # (rebuilt: read without a warning)
+
+
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(kill=st.integers(0, 60))
 def test_cache_resumes_through_two_workers(urls, tmp_path_factory, kill) -> None:
