@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import wdsraft as wds
 from wdsraft.core.errors import StateMismatchError
+from wdsraft.pipeline.slice import check_empty
 from wdsraft.testing import assert_resumes_everywhere, identity, resume, states_along
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # webdataset's advice warnings
@@ -410,6 +411,53 @@ def test_cache_resumes_through_two_workers(urls, tmp_path_factory, kill) -> None
         return _loader(_base(urls, shardshuffle=4).cache(directory).repeat(2), 2)
 
     _check_kill_point("loader-cache", make, kill)
+
+
+# -- snapshots for held items only ---------------------------------------------------------------------
+
+
+def _count_calls(obj, name: str) -> list[str]:
+    """Count the calls of ``obj.name`` (an instance attribute shadowing the method)."""
+    calls: list[str] = []
+    real = getattr(obj, name)
+
+    def counted(*args, **kwargs):
+        calls.append(name)
+        return real(*args, **kwargs)
+
+    setattr(obj, name, counted)
+    return calls
+
+
+AFTER = {
+    "take": lambda d: d.take(10**9),
+    "stride": lambda d: d.stride(1),
+    "enumerate": lambda d: d.enumerate(),
+    "cache": lambda d: d.cache(),
+    "check_empty": lambda d: d.compose(check_empty()),
+    "shuffle": lambda d: d.shuffle(3, seed=1),  # (holds items: the control)
+}
+
+
+@pytest.mark.parametrize("after", list(AFTER))
+def test_sources_keep_snapshots_only_for_stages_that_hold_items(urls, after) -> None:
+    """A WebLoader, a concatenation (any nested dataset) and enumerate keep what re-reading held items
+    needs (a state of the loader or dataset per batch, numbers) only where a stage after them can hold
+    items: take, stride, enumerate, cache and check_empty hold none."""
+    loader = wds.WebLoader(_base(urls), batch_size=None, num_workers=0)
+    loader_states = _count_calls(loader.pipeline[0].loader, "state_dict")
+    inner = _base(urls)
+    dataset_states = _count_calls(inner, "state_dict")
+    concat = wds.FluidWrapper(wds.concat_datasets([inner]))
+    for pipeline in (AFTER[after](loader), AFTER[after](concat)):
+        assert len(list(pipeline)) == N
+    holds = after == "shuffle"
+    assert (len(loader_states) >= N, len(dataset_states) >= N // 16) == (holds, holds)
+
+    stage = wds.enumerate()
+    numbered = AFTER[after](_base(urls).compose(stage))
+    assert len(list(numbered)) == N
+    assert bool(stage._numbers) == holds  # (numbers remembered only for a stage that holds samples)
 
 
 # -- them all, as docs/stages.md chains them ------------------------------------------------------------

@@ -123,6 +123,8 @@ class cache(Curried, Stage):
     resume) reads upstream and caches nothing.
     """
 
+    holds_items = False  # (each item goes out as it is read or filled: none waits for a later output)
+
     def __init__(self, directory: str | os.PathLike[str] | None = None):
         self.directory = None if directory is None else os.fspath(directory)
         self._filled: _Filled | None = None  # the complete cache, once a whole pass filled it
