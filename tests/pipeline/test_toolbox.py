@@ -402,6 +402,24 @@ def test_cache_file_of_rewritten_shards_is_refused_and_rebuilt(tmp_path, indexed
     assert texts(urls) == [str(20 + n).encode() for n in range(8)]  # (rebuilt: read without a warning)
 
 
+def test_cache_file_of_items_naming_no_readable_shard_is_written_and_trusted_by_name(
+    urls, tmp_path, caplog, shard_opens
+) -> None:
+    """Items whose ``__url__`` names no file (made up by a map) cannot have their shards checked: the
+    file is written all the same, with a warning saying a later run trusts it by name, and read back."""
+
+    def make():
+        made_up = _base(urls[:1]).map(lambda sample: {**sample, "__url__": "made-up/shard.tar"})
+        return wds.DataPipeline(wds.concat_datasets([made_up]), wds.cache_samples(tmp_path))
+
+    with caplog.at_level("WARNING", logger="wdsraft.pipeline.caching"):
+        assert _keys(make()) == KEYS[:7]
+    assert "1 shards have no index and are no local file (first: made-up/shard.tar)" in caplog.text
+    del shard_opens[:]
+    assert _keys(make()) == KEYS[:7]
+    assert shard_opens == []  # (a new pipeline read the file)
+
+
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(kill=st.integers(0, 60))
 def test_cache_resumes_through_two_workers(urls, tmp_path_factory, kill) -> None:

@@ -67,12 +67,12 @@ def _shards_of(items: list[Any], addresses: list[Address | None], absolute: bool
 
 def shard_identity(url: str) -> str | None:
     """What tells a shard's contents from another's under the same name: its index's identity (sha256),
-    else a local file's size and mtime; None for a remote shard without an index."""
+    else a local file's size and mtime; None for a remote shard without an index, or no file at all."""
     index = ShardIndex.beside(url)
     if index is not None:
         return index.identity
     path = local_path(url)
-    if path is None:
+    if path is None or not os.path.isfile(path):
         return None
     status = os.stat(path)
     return f"size={status.st_size},mtime_ns={status.st_mtime_ns}"
@@ -252,8 +252,8 @@ class cache(Curried, Stage):
             unchecked = [url for url, identity in shards.items() if identity is None]
             if unchecked:
                 logger.warning(
-                    "cache: %s: %d remote shards have no index (first: %s): a later run cannot tell them "
-                    "rewritten under the same names, and trusts the file for them",
+                    "cache: %s: %d shards have no index and are no local file (first: %s): a later run "
+                    "cannot tell them rewritten under the same names, and trusts the file for them",
                     self._path,
                     len(unchecked),
                     unchecked[0],
@@ -321,10 +321,7 @@ def _changed_shard(shards: Any) -> str | None:
     for url, saved in shards.items():
         if saved is None:
             continue  # (no index then, remote: trusted by name, as the warning at writing said)
-        try:
-            now = shard_identity(url)
-        except FileNotFoundError:
-            now = "none: the file is gone"
+        now = shard_identity(url)
         if now != saved:
-            return f"shard {url} changed since it was written (identity {saved}, now {now})"
+            return f"shard {url} changed since it was written (identity {saved}, now {now or 'none: gone'})"
     return None
