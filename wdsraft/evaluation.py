@@ -10,7 +10,7 @@ from webdataset.handlers import reraise_exception
 from wdsraft.compat import FluidInterface
 from wdsraft.core.distributed import worker_info
 from wdsraft.pipeline.datapipeline import DataPipeline
-from wdsraft.pipeline.evalsplit import EvalSplit, split_range
+from wdsraft.pipeline.evalsplit import EvalSplit
 from wdsraft.pipeline.source import TarfileToSamples
 
 __all__ = ["EvalDataset"]
@@ -49,10 +49,7 @@ class EvalDataset(DataPipeline, FluidInterface):
 
     def num_samples(self, rank: int | None = None, world_size: int | None = None) -> int:
         """The samples ``rank`` reads in a pass (all its workers together); this process's rank by default."""
-        info = worker_info()
-        rank = info.rank if rank is None else rank
-        world_size = info.world_size if world_size is None else world_size
-        first, last = self.split.samples_of(rank, world_size)
+        first, last = self.split.samples_of(*_rank_of(rank, world_size))
         return last - first
 
     def batch_count(
@@ -61,8 +58,9 @@ class EvalDataset(DataPipeline, FluidInterface):
         """The batches ``rank`` gets when each of ``num_workers`` workers batches its own samples by
         ``batch_size``, the last one partial (``.batched(batch_size)`` in the dataset): the ``length`` for
         ``EvenEnds``, so that ranks agree on the step count once, not at every step."""
-        count = self.num_samples(rank, world_size)
-        return sum(-(-size // batch_size) for size in _parts(count, max(num_workers, 1)))
+        workers = max(num_workers, 1)
+        ranges = (self.split.samples_of(*_rank_of(rank, world_size), worker, workers) for worker in range(workers))
+        return sum(-(-(high - low) // batch_size) for low, high in ranges)
 
     def __enter__(self) -> EvalDataset:
         return self
@@ -71,5 +69,7 @@ class EvalDataset(DataPipeline, FluidInterface):
         self.close()
 
 
-def _parts(total: int, parts: int) -> list[int]:
-    return [high - low for low, high in (split_range(total, part, parts) for part in range(parts))]
+def _rank_of(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """The rank and world size given, else this process's."""
+    info = worker_info()
+    return (info.rank if rank is None else rank), (info.world_size if world_size is None else world_size)

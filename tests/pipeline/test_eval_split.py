@@ -86,3 +86,27 @@ def test_an_eval_pass_resumes_at_every_step(urls, monkeypatch) -> None:
     monkeypatch.setenv("WORLD_SIZE", "3")
     stream = assert_resumes_everywhere(lambda: wds.EvalDataset(urls).to_tuple("__key__"))
     assert [key for (key,) in stream] == EVERY[12:25]
+
+
+def test_each_pass_reads_each_index_once(urls, monkeypatch) -> None:
+    """The split reads every index once when built (the counts). A pass then reads the index of each shard
+    in its range once (the reader's checks), plus, on its first pass only, the one it seeks into."""
+    reads: list[str] = []
+    real = wds.ShardIndex.beside.__func__
+
+    def counted(cls, url):
+        reads.append(url)
+        return real(cls, url)
+
+    monkeypatch.setattr(wds.ShardIndex, "beside", classmethod(counted))
+    monkeypatch.setenv("RANK", "1")  # samples 12..24: from inside shard 1 to inside shard 3
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    dataset = wds.EvalDataset(urls).to_tuple("__key__")
+    assert sorted(reads) == sorted(urls)
+    passes = []
+    for _ in range(3):
+        del reads[:]
+        assert [key for (key,) in dataset] == EVERY[12:25]
+        passes.append(sorted(reads))
+    assert passes[0] == sorted([urls[1], *urls[1:4]])  # (the seek's read, then the reader's)
+    assert passes[1] == passes[2] == urls[1:4]

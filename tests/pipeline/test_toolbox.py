@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import wdsraft as wds
 from wdsraft.core.errors import StateMismatchError
+from wdsraft.pipeline.slice import check_empty
 from wdsraft.testing import assert_resumes_everywhere, identity, resume, states_along
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # webdataset's advice warnings
@@ -148,6 +149,26 @@ def test_enumerate_remembers_a_bounded_number_of_samples(urls) -> None:
     assert pipeline.state_dict()  # and what is held still has its number
 
 
+@pytest.mark.parametrize("after", ["shuffle", "parallel_map"])
+def test_enumerate_pruning_keeps_the_number_of_the_sample_going_out(urls, after) -> None:
+    """Pruning (more than ``keep`` numbers remembered) happens as a sample is numbered, before any stage
+    after it holds that sample: its number must survive, or a state taken while it is held cannot give
+    it back (a shuffle buffer or the items in flight, smaller than keep, hold it next)."""
+
+    def make():
+        stage = wds.enumerate()
+        stage.keep = 8
+        dataset = _base(urls).compose(stage)
+        if after == "shuffle":
+            dataset = dataset.shuffle(5, initial=5, seed=1)
+        else:
+            dataset = dataset.parallel_map(lambda sample: sample, max_workers=1, prefetch_factor=6)
+        return dataset.to_tuple("__key__", "step")
+
+    stream = assert_resumes_everywhere(make, kill_points=list(range(0, N + 1, 3)))
+    assert sorted(step for _, step in stream) == list(range(N))
+
+
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(kill=st.integers(0, 45))
 def test_enumerate_resumes_through_two_workers(urls, kill) -> None:
@@ -271,6 +292,42 @@ def test_cache_repeats_the_first_pass_of_a_reshuffled_stream(urls, tmp_path) -> 
         resume(lambda: make(None), states[30])
 
 
+@pytest.mark.parametrize("upstream", ["concat", "loader"])
+def test_cache_after_numbered_items_checks_a_rebuild_by_their_contents(urls, tmp_path, upstream) -> None:
+    """After a concat or a WebLoader, items are addressed by their number in the pass, which says nothing
+    of which sample it was: a rebuilt cache is checked against the items' contents. Upstream reshuffles
+    every epoch: an in-memory cache lost mid-read refuses (it used to accept any 21 items and serve the
+    next epoch's order); on disk, or with a stream that stays the same, every resume is exact."""
+
+    def make(directory, shardshuffle):
+        base = _base(urls[:3], shardshuffle=shardshuffle)
+        base = base.shuffle(4, seed=2) if shardshuffle else base
+        head = wds.concat_datasets([base]) if upstream == "concat" else _loader(base, 0)
+        return wds.DataPipeline(head, wds.cache_samples(directory)).repeat(2)
+
+    _stream, states = states_along(lambda: make(None, 3))
+    with pytest.raises(StateMismatchError, match=r"stage \d+ \(cache\): the 21 items before it differ"):
+        resume(lambda: make(None, 3), states[26])
+    stream = assert_resumes_everywhere(lambda: make(tmp_path, 3), kill_points=[0, 5, 21, 26, 41], same_shape=False)
+    assert stream[:21] == stream[21:]
+    assert_resumes_everywhere(lambda: make(None, False), kill_points=[3, 21, 26], same_shape=False)
+
+
+def test_cache_of_unpicklable_numbered_items_runs_but_refuses_an_unchecked_rebuild(urls) -> None:
+    """Items without a shard position and without a pickle (a lock in a field) cannot be checked on a
+    rebuild: the passes run, and only a restore that must rebuild refuses, saying why."""
+    import threading
+
+    def make():
+        concat = wds.concat_datasets([_base(urls[:1]).map(lambda s: {**s, "lock": threading.Lock()})])
+        return wds.DataPipeline(concat, wds.cache_samples()).repeat(2)
+
+    stream, states = states_along(make)
+    assert [key for key, _ in stream] == KEYS[:7] * 2
+    with pytest.raises(StateMismatchError, match="could not be pickled, so a rebuild"):
+        resume(make, states[9])
+
+
 def test_in_memory_cache_lost_twice_in_one_pass_is_refused(urls) -> None:
     """A pass that rebuilt a lost in-memory cache has read upstream to its end: a state taken in it, loaded
     in yet another process, cannot rebuild again, and says so (rather than hand out nothing)."""
@@ -313,6 +370,56 @@ def test_cache_file_of_another_dataset_is_refused(urls, other_urls, tmp_path) ->
     assert Path(ours).exists()
 
 
+@pytest.mark.parametrize("indexed", [False, True])
+@pytest.mark.parametrize("upstream", ["shards", "concat"])
+def test_cache_file_of_rewritten_shards_is_refused_and_rebuilt(tmp_path, indexed, upstream) -> None:
+    """A file is named by the configuration, which names shards by URL: the shards re-converted under the
+    same names (other contents, same sizes) must not be served from it. The file records the identities
+    of the shards its items came from (the index's sha256, else the local file's size and mtime)."""
+
+    def write(offset: int) -> list[str]:
+        with wds.ShardWriter(str(tmp_path / "rw-%02d.tar"), maxcount=4, verbose=0) as sink:  # (indexes them)
+            for n in range(8):
+                sink.write({"__key__": f"{n:05d}", "txt": str(offset + n)})
+        urls = sorted(str(p) for p in tmp_path.glob("rw-*.tar"))
+        for url in [] if indexed else urls:
+            os.remove(url + ".idx")
+        return urls
+
+    def texts(urls) -> list[bytes]:
+        directory = tmp_path / "cache"
+        if upstream == "concat":  # (the shards named by the items' __url__: their positions are numbers)
+            pipeline = wds.DataPipeline(wds.concat_datasets([_base(urls)]), wds.cache_samples(directory))
+            return [sample["txt"] for sample in pipeline]
+        # (tuples, without __url__: the shards named by the items' positions)
+        return [text for (text,) in _base(urls).to_tuple("txt").cache(directory)]
+
+    urls = write(10)
+    assert texts(urls) == [str(10 + n).encode() for n in range(8)]
+    write(20)  # (the same sizes: only the index's sha256, or the mtime, tells them apart)
+    with pytest.warns(UserWarning, match=rf"ignoring .*cache-.*: shard {urls[0]} changed since it was written"):
+        assert texts(urls) == [str(20 + n).encode() for n in range(8)]
+    assert texts(urls) == [str(20 + n).encode() for n in range(8)]  # (rebuilt: read without a warning)
+
+
+def test_cache_file_of_items_naming_no_readable_shard_is_written_and_trusted_by_name(
+    urls, tmp_path, caplog, shard_opens
+) -> None:
+    """Items whose ``__url__`` names no file (made up by a map) cannot have their shards checked: the
+    file is written all the same, with a warning saying a later run trusts it by name, and read back."""
+
+    def make():
+        made_up = _base(urls[:1]).map(lambda sample: {**sample, "__url__": "made-up/shard.tar"})
+        return wds.DataPipeline(wds.concat_datasets([made_up]), wds.cache_samples(tmp_path))
+
+    with caplog.at_level("WARNING", logger="wdsraft.pipeline.caching"):
+        assert _keys(make()) == KEYS[:7]
+    assert "1 shards have no index and are no local file (first: made-up/shard.tar)" in caplog.text
+    del shard_opens[:]
+    assert _keys(make()) == KEYS[:7]
+    assert shard_opens == []  # (a new pipeline read the file)
+
+
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(kill=st.integers(0, 60))
 def test_cache_resumes_through_two_workers(urls, tmp_path_factory, kill) -> None:
@@ -322,6 +429,53 @@ def test_cache_resumes_through_two_workers(urls, tmp_path_factory, kill) -> None
         return _loader(_base(urls, shardshuffle=4).cache(directory).repeat(2), 2)
 
     _check_kill_point("loader-cache", make, kill)
+
+
+# -- snapshots for held items only ---------------------------------------------------------------------
+
+
+def _count_calls(obj, name: str) -> list[str]:
+    """Count the calls of ``obj.name`` (an instance attribute shadowing the method)."""
+    calls: list[str] = []
+    real = getattr(obj, name)
+
+    def counted(*args, **kwargs):
+        calls.append(name)
+        return real(*args, **kwargs)
+
+    setattr(obj, name, counted)
+    return calls
+
+
+AFTER = {
+    "take": lambda d: d.take(10**9),
+    "stride": lambda d: d.stride(1),
+    "enumerate": lambda d: d.enumerate(),
+    "cache": lambda d: d.cache(),
+    "check_empty": lambda d: d.compose(check_empty()),
+    "shuffle": lambda d: d.shuffle(3, seed=1),  # (holds items: the control)
+}
+
+
+@pytest.mark.parametrize("after", list(AFTER))
+def test_sources_keep_snapshots_only_for_stages_that_hold_items(urls, after) -> None:
+    """A WebLoader, a concatenation (any nested dataset) and enumerate keep what re-reading held items
+    needs (a state of the loader or dataset per batch, numbers) only where a stage after them can hold
+    items: take, stride, enumerate, cache and check_empty hold none."""
+    loader = wds.WebLoader(_base(urls), batch_size=None, num_workers=0)
+    loader_states = _count_calls(loader.pipeline[0].loader, "state_dict")
+    inner = _base(urls)
+    dataset_states = _count_calls(inner, "state_dict")
+    concat = wds.FluidWrapper(wds.concat_datasets([inner]))
+    for pipeline in (AFTER[after](loader), AFTER[after](concat)):
+        assert len(list(pipeline)) == N
+    holds = after == "shuffle"
+    assert (len(loader_states) >= N, len(dataset_states) >= N // 16) == (holds, holds)
+
+    stage = wds.enumerate()
+    numbered = AFTER[after](_base(urls).compose(stage))
+    assert len(list(numbered)) == N
+    assert bool(stage._numbers) == holds  # (numbers remembered only for a stage that holds samples)
 
 
 # -- them all, as docs/stages.md chains them ------------------------------------------------------------

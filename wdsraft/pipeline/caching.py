@@ -2,14 +2,16 @@
 them out from there in later passes (epochraft's ``cache``), checkpointable in both phases.
 
 The first pass reads upstream and fills the cache as items go out; later passes read the cache and
-pull nothing from upstream (no shard is opened). A cache is a digest of its items' positions (or
-bytes, for items without one) as well as the items, so a cache lost in a restart (in memory, a new
-process) is rebuilt from upstream and checked against the digest the state carries, before any item
-goes out: the stream before ``cache`` must then be the same every pass, and a different one raises.
+pull nothing from upstream (no shard is opened). A cache is a digest of its items' shard positions
+(or pickled bytes, where positions are only numbers in a pass: after a concat, a mix or a WebLoader)
+as well as the items, so a cache lost in a restart (in memory, a new process) is rebuilt from
+upstream and checked against the digest the state carries, before any item goes out: the stream
+before ``cache`` must then be the same every pass, and a different one raises.
 On disk, the file is written atomically at the end of a whole pass, named by the pipeline's
 configuration before the stage and by the rank and worker, and checked (a SHA-256 of its content,
-its configuration) before it is trusted: a torn file, or one of another configuration, is rebuilt
-with a warning naming it.
+its configuration, the identities of the shards its items came from) before it is trusted: a torn
+file, one of another configuration, or one of shards since rewritten is rebuilt with a warning
+naming it. Functions in the configuration are known by name only.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from typing import Any
 
 from wdsraft.core.errors import StateMismatchError
 from wdsraft.core.state import describe, fingerprint
-from wdsraft.io.storage import write_bytes_atomic
+from wdsraft.index.shard_index import ShardIndex
+from wdsraft.io.storage import local_path, write_bytes_atomic
 from wdsraft.pipeline.addresses import Address
 from wdsraft.pipeline.client import ClientReader
 from wdsraft.pipeline.source import TarfileToSamples
@@ -36,16 +39,68 @@ MAGIC = b"WDSRAFT-CACHE-1\n"
 
 
 class _Filled:
-    """A whole pass's items, their addresses (None where they had none) and the pass's digest."""
+    """A whole pass's items, their addresses (None where they had none), the pass's digest, and, for a
+    pass just read (``absolute`` given: whether addresses are shard positions), the URLs of the shards
+    the items came from (a shard position, or a ``__url__`` field) and how many items name none."""
 
-    def __init__(self, items: list[Any], addresses: list[Address | None], digest: str):
+    def __init__(self, items: list[Any], addresses: list[Address | None], digest: str, absolute: bool | None = None):
         self.items, self.addresses, self.digest = items, addresses, digest
+        self.shards, self.unnamed = _shards_of(items, addresses, absolute) if absolute is not None else ([], 0)
+
+
+def _shards_of(items: list[Any], addresses: list[Address | None], absolute: bool) -> tuple[list[str], int]:
+    """The URLs of the shards ``items`` came from, in order of first use, and how many items do not tell."""
+    urls: dict[str, None] = {}
+    unknown = 0
+    for item, address in zip(items, addresses, strict=True):
+        url = address[0] if absolute and address is not None else None
+        if url is None and isinstance(item, dict):
+            url = item.get("__url__")
+        if isinstance(url, str):
+            urls[url] = None
+        elif isinstance(url, (list, tuple)) and url and all(isinstance(u, str) for u in url):  # (a batch)
+            urls.update(dict.fromkeys(url))
+        else:
+            unknown += 1
+    return list(urls), unknown
+
+
+def shard_identity(url: str) -> str | None:
+    """What tells a shard's contents from another's under the same name: its index's identity (sha256),
+    else a local file's size and mtime; None for a remote shard without an index, or no file at all."""
+    index = ShardIndex.beside(url)
+    if index is not None:
+        return index.identity
+    path = local_path(url)
+    if path is None or not os.path.isfile(path):
+        return None
+    status = os.stat(path)
+    return f"size={status.st_size},mtime_ns={status.st_mtime_ns}"
+
+
+#: The digest of a pass with an item that has neither a shard position nor a pickle: a rebuild cannot be checked.
+UNCHECKABLE = "uncheckable"
 
 
 def _step(digest: str, item: Any, address: Address | None) -> str:
-    """The running digest after one more item: its position, or its bytes where it has no position."""
-    material = repr(address).encode() if address is not None else pickle.dumps(item, protocol=4)
+    """The running digest after one more item: its shard position (``address``, given only where it names
+    one), or else its pickled bytes."""
+    if digest == UNCHECKABLE:
+        return digest
+    if address is not None:
+        material = repr(address).encode()
+    else:
+        try:
+            material = pickle.dumps(item, protocol=4)
+        except (pickle.PicklingError, TypeError, AttributeError):
+            return UNCHECKABLE  # (refused only if a rebuild must be checked: a run that never resumes is fine)
     return hashlib.blake2b(bytes.fromhex(digest) + material, digest_size=16).hexdigest()
+
+
+def _absolute(ctx: Context) -> bool:
+    """Whether items' addresses are shard positions, the same in any pass and process. After a concat, a
+    mix or a WebLoader they are the items' numbers in the pass, which say nothing of what the items were."""
+    return isinstance(ctx.source, (TarfileToSamples, ClientReader))
 
 
 def _copy(item: Any) -> Any:
@@ -67,6 +122,8 @@ class cache(Curried, Stage):
     ``persistent_workers=True``); items are pickled to disk; a pass with a ledger's skip set (elastic
     resume) reads upstream and caches nothing.
     """
+
+    holds_items = False  # (each item goes out as it is read or filled: none waits for a later output)
 
     def __init__(self, directory: str | os.PathLike[str] | None = None):
         self.directory = None if directory is None else os.fspath(directory)
@@ -121,19 +178,20 @@ class cache(Curried, Stage):
 
     def _fill(self, ctx: Context, src: Iterator[Any], whole: bool) -> Iterator[Any]:
         tracker = AddressTracker(ctx)
+        absolute = _absolute(ctx)
         items: list[Any] = []
         addresses: list[Address | None] = []
         self._spent = True
         for item in src:
             address = tracker.address()
-            self._running = _step(self._running, item, address)
+            self._running = _step(self._running, item, address if absolute else None)
             if whole:
                 items.append(_copy(item))  # (stages after this one may change the item they get)
                 addresses.append(address)
             self._index += 1
             yield item
         if whole:
-            self._keep(_Filled(items, addresses, self._running))
+            self._keep(_Filled(items, addresses, self._running, absolute))
         else:  # resumed mid-fill in a process that did not see the start: a later pass rebuilds, checked
             self._expected = self._running
 
@@ -142,7 +200,7 @@ class cache(Curried, Stage):
             self._rebuild(ctx, src)
         filled = self._filled
         assert filled is not None
-        absolute = isinstance(ctx.source, (TarfileToSamples, ClientReader))  # (positions valid in any pass)
+        absolute = _absolute(ctx)  # (only shard positions are stamped again: numbers in a pass are not)
         for index in range(self._index, len(filled.items)):
             address = filled.addresses[index]
             if absolute and address is not None:
@@ -162,12 +220,19 @@ class cache(Curried, Stage):
             )
         self._spent = True
         tracker = AddressTracker(ctx)
+        absolute = _absolute(ctx)
         items, addresses, digest = [], [], ""
         for item in src:
             address = tracker.address()
-            digest = _step(digest, item, address)
+            digest = _step(digest, item, address if absolute else None)
             items.append(_copy(item))
             addresses.append(address)
+        if self._expected == UNCHECKABLE:
+            raise StateMismatchError(
+                f"stage {self.index} (cache): its cache is gone (an in-memory cache in a new process) and the "
+                "items of the pass that filled it could not be pickled, so a rebuild from upstream cannot be "
+                "checked against them; make the items before cache() picklable"
+            )
         if digest != self._expected:
             raise StateMismatchError(
                 f"stage {self.index} (cache): the {len(items)} items before it differ from the pass that "
@@ -175,7 +240,7 @@ class cache(Curried, Stage):
                 "the stream before cache() must be the same every pass (no reshuffle each epoch), or give "
                 "cache(directory=...)"
             )
-        self._keep(_Filled(items, addresses, digest))
+        self._keep(_Filled(items, addresses, digest, absolute))
 
     # -- keeping it ------------------------------------------------------------------------------------
 
@@ -183,12 +248,30 @@ class cache(Curried, Stage):
         self._filled = filled
         self._expected = filled.digest
         if self._path is not None:
+            shards = {url: shard_identity(url) for url in filled.shards}
+            unchecked = [url for url, identity in shards.items() if identity is None]
+            if unchecked:
+                logger.warning(
+                    "cache: %s: %d shards have no index and are no local file (first: %s): a later run "
+                    "cannot tell them rewritten under the same names, and trusts the file for them",
+                    self._path,
+                    len(unchecked),
+                    unchecked[0],
+                )
+            if filled.unnamed:
+                logger.warning(
+                    "cache: %s: %d items name no shard (no __url__ field, no shard position): a later run "
+                    "trusts the file for them by the configuration's names alone",
+                    self._path,
+                    filled.unnamed,
+                )
             payload = pickle.dumps(
                 {
                     "identity": self._identity,
                     "digest": filled.digest,
                     "items": filled.items,
                     "addresses": filled.addresses,
+                    "shards": shards,
                 },
                 protocol=4,
             )
@@ -224,6 +307,21 @@ class cache(Curried, Stage):
             if record.get("identity") != identity:
                 why = "it was written by another dataset or configuration"
             else:
-                return _Filled(record["items"], record["addresses"], record["digest"])
+                why = _changed_shard(record.get("shards"))
+                if why is None:
+                    return _Filled(record["items"], record["addresses"], record["digest"])
         warnings.warn(f"cache: ignoring {path}: {why}; rebuilding it from the dataset", stacklevel=2)
         return None
+
+
+def _changed_shard(shards: Any) -> str | None:
+    """Why the shards a file's items came from are not the ones there now, or None where they are."""
+    if not isinstance(shards, dict):
+        return "it records no shard identities (written by an older wdsraft)"
+    for url, saved in shards.items():
+        if saved is None:
+            continue  # (no index then, remote: trusted by name, as the warning at writing said)
+        now = shard_identity(url)
+        if now != saved:
+            return f"shard {url} changed since it was written (identity {saved}, now {now or 'none: gone'})"
+    return None

@@ -12,7 +12,7 @@ from typing import Any
 
 from wdsraft.core.state import describe
 from wdsraft.pipeline.datapipeline import DataPipeline
-from wdsraft.pipeline.nested import END, SnapshotSource
+from wdsraft.pipeline.nested import END, SnapshotSource, pass_skip_on
 from wdsraft.pipeline.stage import Context, unresumable_state
 
 
@@ -37,6 +37,9 @@ class ConcatSource(SnapshotSource):
 
     def start(self, ctx: Context, state: dict[str, Any] | None) -> None:
         self._epoch = ctx.epoch
+        # An elastic resume's consumed set reaches every dataset: each runs the concatenation's epoch.
+        for index, dataset in enumerate(self.datasets):
+            pass_skip_on(dataset, ctx, f"dataset {index} of concat_datasets")
         self._current = state["current"] if state is not None else 0
         self._iterator = None
         if self._current < len(self.datasets):

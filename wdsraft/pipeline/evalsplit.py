@@ -65,6 +65,7 @@ class EvalSplit(UrlList, Stage):
             raise ValueError(f"no shards match {urls!r}")
         # Once, here (workers get a copy); the sample offsets of unindexed shards, where they were counted.
         self.counts, self.unindexed = sample_counts(self.urls, count_unindexed)
+        self._seeks: dict[tuple[str, int], int] = {}  # (url, ordinal) -> byte offset, read once per process
 
     def config(self) -> dict[str, Any]:
         return {"urls": self._urls_fingerprint, "num_urls": len(self.urls), "counts": fingerprint(self.counts)}
@@ -93,11 +94,19 @@ class EvalSplit(UrlList, Stage):
             if low > 0 and url in self.unindexed:
                 offset = self.unindexed[url][low]
             elif low > 0:  # (only the range's first shard: one seek)
-                index = ShardIndex.beside(url)
-                if index is None or index.num_samples != count:
-                    raise IndexFormatError(url + INDEX_SUFFIX, "the index changed or went away since it was counted")
-                offset = index.offset_of(low)
+                offset = self._seek(url, low, count)
             yield {"url": url, "offset": offset, "ordinal": low, "end": high}
+
+    def _seek(self, url: str, ordinal: int, count: int) -> int:
+        """The byte offset of sample ``ordinal`` of ``url``, from its index: read in the first pass only
+        (the reader reads the index again, to check the shard against it, in every pass)."""
+        offset = self._seeks.get((url, ordinal))
+        if offset is None:
+            index = ShardIndex.beside(url)
+            if index is None or index.num_samples != count:
+                raise IndexFormatError(url + INDEX_SUFFIX, "the index changed or went away since it was counted")
+            offset = self._seeks[(url, ordinal)] = index.offset_of(ordinal)
+        return offset
 
     def __iter__(self) -> Iterator[Any]:
         return self.run(Context(0, worker_info()), None, None)

@@ -69,8 +69,8 @@ class SnapshotSource(SourceStage):
         return self._items(ctx)
 
     def _items(self, ctx: Context) -> Iterator[Any]:
-        # Snapshots are needed only to re-read items that stateful stages after this one hold.
-        keep = any(isinstance(stage, Stage) for stage in ctx.stages[self.index + 1 :])
+        # Snapshots are needed only to re-read items that stages after this one hold.
+        keep = any(isinstance(stage, Stage) and stage.holds_items for stage in ctx.stages[self.index + 1 :])
         next_snapshot = self._fetched if keep else -1
         fetch = self.fetch
         while True:

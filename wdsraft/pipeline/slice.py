@@ -15,6 +15,8 @@ from wdsraft.pipeline.stage import Context, Curried, Stage
 class slice(Curried, Stage):
     """``itertools.islice`` over the items, with the count of items seen kept in the state."""
 
+    holds_items = False  # (each item it keeps goes out at once)
+
     def __init__(self, *args: int | None):
         self.args = args
         self._seen = 0
@@ -49,6 +51,8 @@ class slice(Curried, Stage):
 class check_empty(Stage):
     """Raise if a whole pass produced nothing (webdataset.WebDataset's empty_check), counting across restores."""
 
+    holds_items = False
+
     def __init__(self) -> None:
         self._count = 0
 
@@ -82,6 +86,8 @@ class rsample(Curried, Stage):
     it is loaded, with a message saying why (taking the state itself works: training that never
     resumes is not stopped at every snapshot of a DataLoader's workers).
     """
+
+    holds_items = False
 
     def __init__(self, p: float = 0.5):
         self.p = p

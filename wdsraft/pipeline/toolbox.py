@@ -42,6 +42,7 @@ class enumerate(Curried, Stage):
 
     #: How many numbered samples to remember before dropping those no stage after this one holds.
     keep = 256
+    holds_items = False  # (it numbers each sample and hands it out at once)
 
     def __init__(self, count_column: str = "step"):
         self.count_column = count_column
@@ -84,7 +85,7 @@ class enumerate(Curried, Stage):
 
     def _enumerate(self, ctx: Context, src: Iterator[Any]) -> Iterator[Any]:
         # Numbers are remembered only where a stage after this one may hold samples.
-        remember = any(isinstance(stage, Stage) for stage in ctx.stages[self.index + 1 :])
+        remember = any(isinstance(stage, Stage) and stage.holds_items for stage in ctx.stages[self.index + 1 :])
         tracker = AddressTracker(ctx)
         limit = self.keep
         for sample in src:
@@ -93,10 +94,10 @@ class enumerate(Curried, Stage):
             if remember:
                 address = tracker.address()
                 if address is not None:
-                    self._numbers[address] = number
-                    if len(self._numbers) > limit:
+                    if len(self._numbers) >= limit:  # (before this sample goes in: no stage holds it yet)
                         self._numbers = {a: self._numbers[a] for a in self._held()}
                         limit = max(self.keep, 2 * len(self._numbers))  # (a big buffer: prune seldom)
+                    self._numbers[address] = number
             yield self._numbered(sample, number)
 
     def _numbered(self, sample: Any, number: int) -> Any:
