@@ -153,7 +153,9 @@ MUTATIONS: tuple[Mutation, ...] = (
         "                addresses.clear()\n"
         "                batch.append(sample)\n"
         "                addresses.append(address)\n"
+        "                upstream = ctx.hand_out(None)  # a batch has many sources: stages after it cannot address it\n"
         "                yield out\n",
+        "                upstream = ctx.hand_out(None)  # a batch has many sources: stages after it cannot address it\n"
         "                yield out\n"
         "                batch.clear()\n"
         "                addresses.clear()\n"

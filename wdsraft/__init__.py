@@ -41,6 +41,7 @@ from wdsraft.core import distributed  # noqa: F401 - submodule, as before the mo
 from wdsraft.core.errors import (
     IndexFormatError,
     LedgerError,
+    RankFailedError,
     RemoteAccessDeniedError,
     RemoteNotFoundError,
     RemoteReadError,
@@ -138,6 +139,7 @@ __all__ = [
     "PipelineStage",
     "Position",
     "RandomMix",
+    "RankFailedError",
     "RemoteAccessDeniedError",
     "RemoteNotFoundError",
     "RemoteReadError",

@@ -79,12 +79,18 @@ def _rank(rank: int, port: int, urls: list[str], out) -> None:
         again = _loader(urls, rank, wds.EvenEnds("pad", length=BATCHES[rank]))
         again.load_state_dict(state)
         results["length resumed"] = _steps(again)[0]
-        # A length below the real count: found at the epoch's end, after the agreed steps.
-        try:
-            _steps(_loader(urls, rank, wds.EvenEnds("pad", length=BATCHES[rank] - (rank == 0))))
-            results["understated"] = None
-        except ValueError as exn:
-            results["understated"] = str(exn)
+        # A length below the real count: found at the epoch's end, after the agreed steps; every rank raises.
+        results["understated"] = _error(lambda: _steps(_loader(urls, rank, _said(rank, "pad", 0, -1))))
+        # "shortest": a rank that gave the shortest length but has more (the others stopped early with it).
+        results["understated shortest"] = _error(lambda: _steps(_loader(urls, rank, _said(rank, "shortest", 1, -1))))
+        # "shortest" with lengths above every real count: each rank runs out before the agreed steps and says
+        # so, never handing out None. (No training collective: the ranks run out at different steps.)
+        overstated = _loader(urls, rank, wds.EvenEnds("shortest", length=9))
+        results["overstated shortest"] = _error(lambda: [identity(item) for item in overstated])
+        # A rank whose length cannot be had, and a rank whose batches raise: every rank raises with it.
+        results["length raises"] = _error(lambda: _steps(_loader(urls, rank, _said(rank, "pad", 2, None))))
+        for mode in ("pad", "shortest"):
+            results[f"raises {mode}"] = _error(lambda mode=mode: _steps(wds.even_ends(_failing(rank), mode)))
         # A default group that is not gloo (NCCL on GPUs): the flag goes over a gloo twin made once.
         dist.get_backend = lambda group=None: "nccl"  # type: ignore[assignment]
         whole, _ = _steps(_loader(urls, rank, "pad"))
@@ -96,6 +102,36 @@ def _rank(rank: int, port: int, urls: list[str], out) -> None:
         raise
     finally:
         dist.destroy_process_group()
+
+
+def _said(rank: int, mode: str, liar: int, change: int | None) -> Any:
+    """Even ends with every rank giving its true length, but rank ``liar`` off by ``change`` (None: raises)."""
+
+    def length(epoch: int) -> int:
+        if rank != liar:
+            return BATCHES[rank]
+        if change is None:
+            raise OSError("the length file is missing")
+        return BATCHES[rank] + change
+
+    return wds.EvenEnds(mode, length=length)
+
+
+def _failing(rank: int):
+    """Three batches, but rank 1's second raises."""
+    for step in range(3):
+        if rank == 1 and step == 1:
+            raise OSError("rank 1 cannot read its shard")
+        yield [step]
+
+
+def _error(run: Any) -> str | None:
+    """What ``run`` raised (type and message), or None."""
+    try:
+        run()
+    except Exception as exn:
+        return f"{type(exn).__name__}: {exn}"
+    return None
 
 
 @pytest.fixture(scope="module")
@@ -147,11 +183,11 @@ def test_a_state_taken_while_padding_resumes_into_the_same_step_count(runs, mode
         assert rest == whole[CUT.get(mode, 3) :], (rank, mode)
 
 
-def test_known_lengths_exchange_once_per_epoch(runs, write_shards) -> None:
+def test_known_lengths_exchange_twice_per_epoch(runs, write_shards) -> None:
     for rank in range(WORLD):
         whole, exchanges = runs[rank]["length"]
         assert whole == _alone(write_shards, rank) + [None] * (4 - BATCHES[rank])
-        assert exchanges == 1, rank
+        assert exchanges == 2, rank  # (the lengths at the start, the check at the end)
 
 
 def test_a_non_gloo_group_sends_the_flag_over_a_gloo_twin(runs, write_shards) -> None:
@@ -170,9 +206,40 @@ def test_even_ends_stays_the_last_stage_and_checks_its_mode(write_shards) -> Non
     assert list(wds.even_ends(iter([1, 2]), "shortest")) == [1, 2]  # no process group: untouched
 
 
-def test_a_length_below_the_real_count_is_an_error(runs) -> None:
-    assert "more than the 3 batches" in runs[0]["understated"]
-    assert runs[1]["understated"] is None and runs[2]["understated"] is None
+def test_a_length_below_the_real_count_is_an_error_on_every_rank(runs) -> None:
+    assert runs[0]["understated"].startswith("ValueError: even ends: this rank has more than the 3 batches")
+    for rank in (1, 2):  # (before, they went on to the next epoch and waited for rank 0 until the timeout)
+        assert runs[rank]["understated"].startswith("RankFailedError: even ends: rank 0 of the group failed"), rank
+
+
+def test_shortest_checks_the_length_of_the_rank_that_gave_the_shortest(runs) -> None:
+    # Rank 1 said 1 batch (it has 2): every rank stopped after one step; before, silently.
+    assert runs[1]["understated shortest"].startswith("ValueError: even ends: this rank has more than the 1 batches")
+    for rank in (0, 2):
+        assert runs[rank]["understated shortest"].startswith("RankFailedError: even ends: rank 1"), rank
+
+
+def test_shortest_never_pads_a_rank_whose_length_was_too_long(runs) -> None:
+    # Before, each rank got None batches up to the agreed 9 steps (with a warning).
+    for rank in range(WORLD):
+        assert runs[rank]["overstated shortest"] == (
+            f"ValueError: even ends: this rank ran out after {BATCHES[rank]} batches, before the 9 steps the "
+            "shortest length said (it gave 9): the length it gave is wrong"
+        ), rank
+
+
+def test_a_rank_that_fails_makes_every_rank_raise(runs) -> None:
+    assert runs[2]["length raises"] == "OSError: the length file is missing"
+    for rank in (0, 1):
+        assert runs[rank]["length raises"] == (
+            "RankFailedError: even ends: rank 2 of the group failed to give its length; this rank stops with it"
+        )
+    for mode in ("pad", "shortest"):  # the per-step flag: before, ranks 0 and 2 waited until the timeout
+        assert runs[1][f"raises {mode}"] == "OSError: rank 1 cannot read its shard"
+        for rank in (0, 2):
+            assert runs[rank][f"raises {mode}"] == (
+                "RankFailedError: even ends: rank 1 of the group failed to read its next batch; this rank stops with it"
+            ), (rank, mode)
 
 
 def test_even_ends_costs_the_loader_no_snapshots(write_shards) -> None:

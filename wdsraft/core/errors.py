@@ -38,6 +38,11 @@ class StateMismatchError(ValueError):
     """A saved state does not belong to this configuration (other shards, seed, stages, rank or worker)."""
 
 
+class RankFailedError(RuntimeError):
+    """Another rank of the process group failed where the ranks exchange (even ends' per-step flag, its
+    lengths): this rank stops with it, naming it, instead of waiting in a collective until the timeout."""
+
+
 class LedgerError(IndexFormatError):
     """A ledger file is unreadable, torn, foreign, or does not belong to this ledger."""
 

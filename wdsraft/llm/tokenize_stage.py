@@ -136,12 +136,9 @@ class Tokenize(Stage):
     @staticmethod
     def _hand_out(ctx: Context, items: list[Any], pending: list[Address | None]) -> Iterator[Any]:
         for item in items:
-            address = pending.pop(0)
-            if address is not None:
-                ctx.stamp(address)
-            else:
-                ctx.provenance = None
+            upstream = ctx.hand_out(pending.pop(0))
             yield item
+            ctx.resume(upstream)
 
 
 def tokenize(

@@ -160,7 +160,7 @@ class ActiveShards:
             if cursor.local is not None:
                 sample["__local_path__"] = cursor.local
             ctx.provenance = (cursor.url, sample[ORDINAL_FIELD], sample[OFFSET_FIELD], 0)
-            ctx.serial += 1
+            ctx.serial = next(ctx.serials)
             yield sample
 
 

@@ -110,7 +110,9 @@ class batched(Curried, Stage):
                 addresses.clear()
                 batch.append(sample)
                 addresses.append(address)
+                upstream = ctx.hand_out(None)  # a batch has many sources: stages after it cannot address it
                 yield out
+                ctx.resume(upstream)
                 continue
             batch.append(sample)
             addresses.append(address)
@@ -120,15 +122,17 @@ class batched(Curried, Stage):
                 out = self._emit(ctx, batch)
                 batch.clear()
                 addresses.clear()
+                upstream = ctx.hand_out(None)
                 yield out
+                ctx.resume(upstream)
         if batch and (len(batch) == self.batchsize or self.partial):
             out = self._emit(ctx, batch)
             batch.clear()
             addresses.clear()
+            ctx.hand_out(None)  # (the input has ended: nothing to put back)
             yield out
 
     def _emit(self, ctx: Context, batch: list[Any]) -> Any:
-        ctx.provenance = None  # a batch has many sources: stages after it cannot address it
         if self.collation_fn is None:
             return list(batch)
         batch_format = _format_of_items(self.collation_fn, batch[0])
@@ -189,11 +193,10 @@ class _Splitter(Curried, Stage):
         for position in range(start, len(items)):
             self._next = position + 1
             self._pending = len(items) - position - 1
-            if address is None:
-                ctx.provenance = None
-            else:  # item `position` of what replaying the stages up to here makes of the group's source
-                ctx.stamp((*address[:-1], address[-1] + position))
+            # Item `position` of what replaying the stages up to here makes of the group's source.
+            upstream = ctx.hand_out(None if address is None else (*address[:-1], address[-1] + position))
             yield items[position]
+            ctx.resume(upstream)
         self._pending = 0
 
 

@@ -12,13 +12,18 @@ end of an epoch on multi-node jobs. Two ways out, per epoch:
   ranks had left are not delivered this epoch (see ``EvenEnds`` for where they go).
 
 How the ranks agree: with ``length`` (this rank's number of batches in the epoch), by one
-``all_reduce`` of the lengths when the epoch starts, and nothing per step. Without it, by a one-int
+``all_reduce`` of the lengths when the epoch starts, nothing per step, and one at its end that
+checks them. Without it, by a one-int
 ``all_reduce`` per step ("I still have a batch"); on a default process group whose backend is not
 gloo (NCCL), that flag goes over a gloo group of the same ranks, created once, so that it never
 waits for the GPU (a CUDA tensor's ``.item()`` would make the host wait for the step's kernels every
 step). Without an initialised process group of more than one rank, batches pass through untouched.
-A rank that raises leaves the others waiting in the ``all_reduce`` until the group's timeout, as
-with any collective.
+
+A rank whose loader raises says so in the next exchange (the flag carries "failed" beside "have a
+batch", the lengths a "failed" beside the length): every rank then raises with it, the others a
+``RankFailedError`` naming it, instead of waiting in the ``all_reduce`` until the group's timeout.
+With ``length``, the ranks exchange once more at the epoch's end, so that a length found wrong
+there (understated, or overstated in "shortest") stops every rank together.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from wdsraft.core.errors import RankFailedError
 from wdsraft.core.state import describe
 from wdsraft.pipeline.stage import Context, Stage
 
@@ -71,42 +77,92 @@ def _flag_group(group: Any) -> tuple[Any, torch.device | None]:
     return group, None
 
 
-def _agree(value: int, mode: str, group: Any, device: torch.device | None = None) -> int:
-    """The longest ("pad") or shortest ("shortest") of the ranks' values."""
-    tensor = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX if mode == "pad" else dist.ReduceOp.MIN, group=group)
-    return int(tensor.item())
+def _exchange(value: int, failure: BaseException | None, group: Any, device: torch.device | None) -> tuple[int, int]:
+    """The largest ``value`` of the ranks, and the lowest rank that failed (-1: none), in one ``all_reduce``.
+
+    (One MAX over [value, failed rank]: a rank that failed sends ``world - rank``, so the largest names the
+    lowest failed rank. "shortest" negates what it sends to take a minimum.)"""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    tensor = torch.tensor([value, 0 if failure is None else world - rank], dtype=torch.int64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    largest, failed = (int(x) for x in tensor.tolist())
+    return largest, (world - failed if failed else -1)
+
+
+def _raise_if_failed(failed: int, failure: BaseException | None, what: str) -> None:
+    """Every rank raises together: the one that failed its own error, the others one naming it."""
+    if failure is not None:
+        raise failure
+    if failed >= 0:
+        raise RankFailedError(f"even ends: rank {failed} of the group failed {what}; this rank stops with it")
+
+
+def _pulled(batches: Iterator[T]) -> tuple[Any, BaseException | None]:
+    """The next batch (or ``_END``), or the error pulling it raised (told to the other ranks first)."""
+    try:
+        return next(batches, _END), None
+    except Exception as error:  # (a KeyboardInterrupt is not reported: the process ends anyway)
+        return _END, error
+
+
+def _agree(length: Callable[[], int], mode: str, group: Any, device: torch.device | None = None) -> int:
+    """The longest ("pad") or shortest ("shortest") of the ranks' lengths; a rank whose length raised makes
+    every rank raise."""
+    failure: BaseException | None = None
+    try:
+        value = length()
+    except Exception as error:
+        value, failure = 0, error
+    sign = 1 if mode == "pad" else -1
+    agreed, failed = _exchange(sign * value, failure, group, device)
+    _raise_if_failed(failed, failure, "to give its length")
+    return sign * agreed
 
 
 def _by_flags(batches: Iterator[T], mode: str, group: Any) -> Iterator[T | None]:
     """One exchange per step: pad while any rank has a batch, or stop once any rank has none."""
     flag_group, device = _flag_group(group)
-    flag = torch.zeros(1, dtype=torch.int32, device=device)
-    op = dist.ReduceOp.MAX if mode == "pad" else dist.ReduceOp.MIN
     while True:
-        batch = next(batches, _END)
-        flag.fill_(0 if batch is _END else 1)
-        dist.all_reduce(flag, op=op, group=flag_group)
-        if not flag.item():
+        batch, failure = _pulled(batches)
+        have = batch is not _END
+        # "pad": go on while any rank has one (MAX of have); "shortest": stop once any has none (MAX of not have).
+        flag, failed = _exchange(int(have if mode == "pad" else not have), failure, flag_group, device)
+        _raise_if_failed(failed, failure, "to read its next batch")
+        if flag != (1 if mode == "pad" else 0):
             return  # ("shortest": a batch pulled here is not delivered)
-        yield None if batch is _END else batch  # type: ignore[misc]
+        yield None if batch is _END else batch
 
 
-def _by_count(batches: Iterator[T], mode: str, steps: int, target: int) -> Iterator[T | None]:
-    """``target - steps`` more steps (the ranks agreed on ``target`` when the epoch started)."""
-    short = False
-    for _ in range(steps, target):
+def _by_count(
+    batches: Iterator[T], mode: str, steps: int, target: int, length: int, group: Any, device: torch.device | None
+) -> Iterator[T | None]:
+    """``target - steps`` more steps (the ranks agreed on ``target`` when the epoch started; this rank said
+    ``length``), then one exchange, on every rank at the same step, that checks every rank's length held.
+
+    An error while the steps go on is raised at once (the other ranks are in the training step's
+    collectives, not in an exchange of this stage's)."""
+    for step in range(steps, target):
         batch = next(batches, _END)
-        if batch is _END and not short:
-            short = True
-            if mode == "shortest":
-                logger.warning("even ends: this rank ran out before the %d steps its length promised: padding", target)
+        if batch is _END and step < length:
+            if mode == "shortest":  # it cannot stop alone, and "shortest" hands out batches, never None
+                raise ValueError(
+                    f"even ends: this rank ran out after {step} batches, before the {target} steps the shortest "
+                    f"length said (it gave {length}): the length it gave is wrong"
+                )
+            logger.warning("even ends: this rank ran out after %d batches, not the %d it said: padding", step, length)
+            length = step  # (warned once)
         yield None if batch is _END else batch  # type: ignore[misc]
-    if mode == "pad" and next(batches, _END) is not _END:
-        raise ValueError(
-            f"even ends: this rank has more than the {target} batches the longest length said: the length it "
-            "gave is wrong (the other ranks have ended the epoch)"
-        )
+    failure: BaseException | None = None
+    if mode == "pad" or length == target:
+        # It said it had ``length``: nothing may be left ("shortest": only a rank that gave the shortest).
+        extra, failure = _pulled(batches)
+        if failure is None and extra is not _END:
+            failure = ValueError(
+                f"even ends: this rank has more than the {length} batches it said (the ranks agreed on {target} "
+                "steps): the length it gave is wrong"
+            )
+    _, failed = _exchange(0, failure, group, device)
+    _raise_if_failed(failed, failure, "its check at the epoch's end (a wrong length, or an error reading batches)")
 
 
 def even_ends(
@@ -126,7 +182,9 @@ def even_ends(
     if length is None:
         yield from _by_flags(iter(batches), mode, group)
     else:
-        yield from _by_count(iter(batches), mode, 0, _agree(length, mode, *_flag_group(group)))
+        flag_group, device = _flag_group(group)
+        target = _agree(lambda: length, mode, flag_group, device)
+        yield from _by_count(iter(batches), mode, 0, target, length, flag_group, device)
 
 
 def until_all_ranks_end(batches: Iterable[T], group: Any = None) -> Iterator[T | None]:
@@ -188,10 +246,12 @@ class EvenEnds(Stage):
         elif self.length is None:
             steps = _by_flags(src, self.mode, self.group)
         else:
+            flag_group, device = _flag_group(self.group)
+            given = self.length
+            length = (lambda: given(ctx.epoch)) if callable(given) else (lambda: given)
             if self._target is None:
-                length = self.length(ctx.epoch) if callable(self.length) else self.length
-                self._target = _agree(length, self.mode, *_flag_group(self.group))
-            steps = _by_count(src, self.mode, self._steps, self._target)
+                self._target = _agree(length, self.mode, flag_group, device)
+            steps = _by_count(src, self.mode, self._steps, self._target, length(), flag_group, device)
         for item in steps:
             self._steps += 1
             yield item

@@ -123,11 +123,9 @@ class parallel_filter_map(Curried, Stage):
                 in_flight.popleft()
                 if result is None and self.drops_none:
                     continue
-                if address is not None:
-                    ctx.stamp(address)  # what comes out is the item taken in at that address
-                else:
-                    ctx.provenance = None
+                upstream = ctx.hand_out(address)  # what comes out is the item taken in at that address
                 yield result
+                ctx.resume(upstream)
         finally:
             for _, _, future in in_flight:
                 future.cancel()

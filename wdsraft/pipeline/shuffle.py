@@ -139,23 +139,25 @@ class shuffle(Curried, Stage):
                     except StopIteration:
                         pass
                 if len(buf) >= initial:
-                    yield self._pick(ctx, buf, addresses, rng)
+                    sample, address = self._pick(buf, addresses, rng)
+                    upstream = ctx.hand_out(address)  # the item goes out with the address it came in with
+                    yield sample
+                    ctx.resume(upstream)
         self._exhausted = True
         while buf:
-            yield self._pick(ctx, buf, addresses, rng)
+            sample, address = self._pick(buf, addresses, rng)
+            upstream = ctx.hand_out(address)
+            yield sample
+            ctx.resume(upstream)
 
     @staticmethod
-    def _pick(ctx: Context, buf: list[Any], addresses: list[Address | None], rng: random.Random) -> Any:
+    def _pick(buf: list[Any], addresses: list[Address | None], rng: random.Random) -> tuple[Any, Address | None]:
         k = rng.randint(0, len(buf) - 1)
         sample, address = buf[k], addresses[k]
         buf[k], addresses[k] = buf[-1], addresses[-1]
         buf.pop()
         addresses.pop()
-        if address is not None:
-            ctx.stamp(address)
-        else:
-            ctx.provenance = None
-        return sample
+        return sample, address
 
 
 class detshuffle(shuffle):

@@ -179,7 +179,7 @@ class TarfileToSamples(SourceStage):
                         if local is not None:
                             sample["__local_path__"] = local
                         ctx.provenance = (url, sample[ORDINAL_FIELD], sample[OFFSET_FIELD], 0)  # (ctx.stamp, inline)
-                        ctx.serial += 1
+                        ctx.serial = next(ctx.serials)
                         yield sample
                     stopped = stopped or reader.stopped
             except Exception as exn:

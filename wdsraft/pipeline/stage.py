@@ -5,6 +5,7 @@ shares between stages, and :class:`AddressTracker` for stages that buffer items.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -27,9 +28,12 @@ logger = logging.getLogger(__name__)
 class Context:
     """What the stages of one pipeline iteration share.
 
-    ``provenance`` is the address of the raw item the source handed out last (with a
-    sub-index of 0); ``serial`` changes with every raw item, so a stage that receives
-    several items from one raw item (after ``unbatched``, say) can number them.
+    ``provenance`` is the address of the item handed out last (the raw item the source read, sub-index 0,
+    or the address a stage that reorders or splits items gave it); ``serial`` changes with every stamp,
+    to a value never used before in the pass, so a stage that receives several items from one stamp
+    (after ``unbatched``, say) can number them. A stage that stamps the items it hands out puts back,
+    when it is resumed, what the stages before it had stamped (``hand_out`` / ``resume``): a stamp
+    applies downstream only, and an upstream stage still splitting one item goes on numbering it.
     """
 
     def __init__(self, epoch: int, info: WorkerInfo):
@@ -37,6 +41,8 @@ class Context:
         self.info = info
         self.provenance: Address | None = None
         self.serial = 0
+        #: Where new serials come from (the source reads it inline: ``ctx.serial = next(ctx.serials)``).
+        self.serials = itertools.count(1)
         self.source: SourceStage | None = None
         self.rematerializers: dict[int, Callable[[list[Address]], list[Any]]] = {}
         self.stages: list[Any] = []
@@ -47,7 +53,19 @@ class Context:
 
     def stamp(self, address: Address) -> None:
         self.provenance = address
-        self.serial += 1
+        self.serial = next(self.serials)
+
+    def hand_out(self, address: Address | None) -> tuple[Address | None, int]:
+        """Stamp the item a stage is about to yield (None: it has no position); returns what the stages
+        before it had stamped, for ``resume`` right after the yield."""
+        saved = (self.provenance, self.serial)
+        self.provenance = address
+        self.serial = next(self.serials)
+        return saved
+
+    def resume(self, saved: tuple[Address | None, int]) -> None:
+        """Put back what ``hand_out`` returned: the stage pulls from upstream again, whose stamps go on."""
+        self.provenance, self.serial = saved
 
     def live_addresses(self) -> list[Address]:
         """Addresses of every item the stages after the source hold right now."""
