@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import zlib
 from pathlib import Path
 
 import pytest
@@ -235,7 +236,8 @@ except StateMismatchError as exn:
     dist.destroy_process_group()  # (exiting with the group alive can abort in gloo's threads: SIGABRT)
     sys.exit(0)
 print(json.dumps({"pairs": sorted([s, o] for s, b in consumed.samples.items() for o in b), "reads": len(reads),
-                  "index_reads": len(index_reads), "shards": sorted(ledger._identities.recorded)}))
+                  "index_reads": len(index_reads), "shards": sorted(ledger._identities.recorded),
+                  "checked": len(ledger._identities.checked), "index_urls": sorted(index_reads)}))
 dist.destroy_process_group()
 """
 
@@ -266,14 +268,17 @@ def test_rank_zero_reads_the_ledger_and_broadcasts_it_in_a_gloo_group(tmp_path) 
     out = _gloo(path, mark, "plain")
     assert out[0]["pairs"] == out[1]["pairs"] and {tuple(p) for p in out[0]["pairs"]} == _full(path, mark)
     assert out[0]["reads"] == 2 * RANKS and out[1]["reads"] == 0  # one reader for the whole group
-    assert out[0]["index_reads"] == RANKS and out[1]["index_reads"] == 0  # and one identity check
-    assert out[0]["shards"] == out[1]["shards"]
+    # Each shard's index read once in the group, each rank its share (not all on rank 0), and both learn all.
+    read = sorted(out[0]["index_urls"] + out[1]["index_urls"])
+    assert len(read) == len(set(read)) == RANKS
+    assert [o["index_urls"] for o in out] == [[u for u in read if zlib.crc32(u.encode()) % 2 == r] for r in (0, 1)]
+    assert out[0]["shards"] == out[1]["shards"] and out[0]["checked"] == out[1]["checked"] == RANKS
     assert len(list(snapshot_urls(path))) == 1  # rank 0 left the snapshot for the next restart
 
-    # A dataset that differs, found by rank 0, stops every rank with the shard named.
+    # A dataset that differs, found by one rank, stops every rank with the shard named.
     refused = _gloo(path, mark, "mismatch")
     assert all("s1.tar: not the shard the ledger" in r["refused"] for r in refused), refused
-    assert refused[1]["refused"].startswith("(found by rank 0)")
+    assert refused[1]["refused"].startswith("(found by rank 0)") and not refused[0]["refused"].startswith("(")
 
 
 def test_ledger_compact_command_and_rewind_drops_snapshots_beyond_it(tmp_path, capsys) -> None:

@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from wdsraft.core.distributed import rank_and_world_size
-from wdsraft.core.errors import LedgerError
+from wdsraft.core.errors import LedgerError, StateMismatchError
 from wdsraft.core.fields import PROVENANCE_FIELD, shard_of_key
 from wdsraft.io.storage import exists, write_bytes_atomic
 from wdsraft.ledger.consumed import ConsumedSet, PieceOrder, _piece_positions, _pieces, positions_of
@@ -226,9 +226,10 @@ class Ledger:
 
     def _skip_set(self, epoch: int, lineage: dict[str, int], steps: dict[str, int | None] | None) -> ConsumedSet:
         """The consumed set a resume skips, its shards checked against the dataset (refused before anything
-        is skipped where they differ). Under torch.distributed rank 0 reads it and checks it, and broadcasts
-        both: a restart reads the ledger and the shards' indexes once, not once per rank. Rank 0 then writes
-        the snapshot of that watermark (where it read rank files), so later resumes under it read one object."""
+        is skipped where they differ). Under torch.distributed rank 0 reads it and broadcasts it, and every rank
+        checks its share of the shards: a restart reads the ledger and each shard's index once, not once per
+        rank. Rank 0 then writes the snapshot of that watermark (where it read rank files), so later resumes
+        under it read one object."""
 
         def compute() -> ConsumedSet:
             self._wait_for_snapshot(lineage, steps)
@@ -237,10 +238,13 @@ class Ledger:
             if self.rank == 0 and merged.files_read:
                 self._write_snapshot(merged, lineage, steps)
             consumed = merged.epochs.get(epoch, ConsumedSet())
-            self._check_dataset(consumed)
+            if process_group() is None:
+                self._check_dataset(consumed)
             return consumed
 
         consumed = shared(compute, self._identities)
+        if process_group() is not None:
+            self._check_dataset(consumed)  # (every rank its share, together)
         # Each rank records the identities of the skip set in its next commit, as where each read them itself.
         checked = self._identities.checked
         shards = {shard_of_key(key) for key in (*consumed.samples, *consumed.tokens)}
@@ -304,15 +308,33 @@ class Ledger:
     def _check_dataset(self, consumed: ConsumedSet) -> None:
         """Refuse, before anything is skipped, a dataset whose shards are not those the skip set names.
 
-        Without a process group each of several ranks checks its own share of the shards (one index read per
-        shard per restart, as rank 0 alone does under torch.distributed, not one per shard per rank): a
-        shard that differs stops the rank that checks it, and any other rank that reads the shard is
-        stopped at its first commit, which checks every shard it recorded positions in. (Keys of later
-        passes of a mixture, ``URL#pass=p``, are checked under their shard's URL.)"""
+        Each of several ranks checks its own share of the shards: one index read per shard per restart, not
+        one per shard per rank, nor all of them on one rank (10^5 shards are minutes of reads). Under
+        torch.distributed the ranks then exchange what they found, so a shard that differs stops every rank
+        together, naming it. Without a process group it stops the rank that checks it, and any other rank
+        that reads the shard is stopped at its first commit, which checks every shard it recorded positions
+        in. (Keys of later passes of a mixture, ``URL#pass=p``, are checked under their shard's URL.)"""
         shards = {shard_of_key(key) for key in (*consumed.samples, *consumed.tokens)}
-        if self.world_size > 1 and process_group() is None:
-            shards = {url for url in shards if zlib.crc32(url.encode()) % self.world_size == self.rank}
-        self._to_record.update(self._identities.check(shards))
+        group = process_group()
+        rank, world = (group.get_rank(), group.get_world_size()) if group is not None else (self.rank, self.world_size)
+        mine = {url for url in shards if zlib.crc32(url.encode()) % world == rank} if world > 1 else shards
+        if group is None:
+            self._to_record.update(self._identities.check(mine))
+            return
+        refusal = None
+        try:
+            self._to_record.update(self._identities.check(mine))
+        except StateMismatchError as exn:
+            refusal = str(exn)
+        found = {url: self._identities.checked[url] for url in mine if url in self._identities.checked}
+        everyone: list[Any] = [None] * world
+        group.all_gather_object(everyone, (refusal, found))
+        for other, (_refusal, their_found) in enumerate(everyone):
+            if other != rank:
+                self._identities.checked.update(their_found)  # (compared with the dataset there: not read again)
+        for other, (their_refusal, _found) in enumerate(everyone):
+            if their_refusal is not None:
+                raise StateMismatchError(their_refusal if other == rank else f"(found by rank {other}) {their_refusal}")
 
     # -- checkpoints -------------------------------------------------------------------------------
 
