@@ -12,7 +12,7 @@ from typing import Any
 
 from wdsraft.core.state import describe
 from wdsraft.pipeline.datapipeline import DataPipeline
-from wdsraft.pipeline.nested import END, SnapshotSource, pass_skip_on
+from wdsraft.pipeline.nested import END, SnapshotSource, adopt_seed_records, pass_skip_on, seed_records
 from wdsraft.pipeline.stage import Context, unresumable_state
 
 
@@ -83,15 +83,10 @@ class ConcatSource(SnapshotSource):
 
     def drawn_seed(self) -> Any:
         # The datasets' own drawn seeds: a state taken between two epochs must make the next one draw the same.
-        records = [getattr(dataset, "seed_record", None) for dataset in self.datasets]
-        return {"datasets": [record() if callable(record) else None for record in records]}
+        return {"datasets": seed_records(self.datasets)}
 
     def adopt_seed(self, seed: Any) -> None:
-        records = seed.get("datasets") if isinstance(seed, dict) else None
-        for dataset, record in zip(self.datasets, records or [], strict=False):
-            adopt = getattr(dataset, "adopt_seeds", None)
-            if record is not None and callable(adopt):
-                adopt(record)
+        adopt_seed_records(self.datasets, seed.get("datasets") if isinstance(seed, dict) else None)
 
 
 class ConcatDatasets(DataPipeline):

@@ -34,7 +34,7 @@ from wdsraft.core.errors import StateMismatchError
 from wdsraft.core.fields import PASS_FIELD, SOURCE_FIELD, pass_key, split_pass_key
 from wdsraft.core.state import describe, make_seed
 from wdsraft.pipeline.datapipeline import DataPipeline
-from wdsraft.pipeline.nested import END, SnapshotSource
+from wdsraft.pipeline.nested import END, SnapshotSource, adopt_seed_records, seed_records
 from wdsraft.pipeline.source import SkipSet
 from wdsraft.pipeline.stage import Context, SourceStage, unresumable_state
 
@@ -269,15 +269,10 @@ class InterleaveSource(SnapshotSource):
     def drawn_seed(self) -> Any:
         # The seeds the sources drew themselves (a shuffle without a seed): a fresh mixture adopts them, so
         # the passes it begins after a restore shuffle as the first one's would have.
-        records = [getattr(dataset, "seed_record", None) for dataset in self.datasets]
-        return {"sources": [record() if callable(record) else None for record in records]}
+        return {"sources": seed_records(self.datasets)}
 
     def adopt_seed(self, seed: Any) -> None:
-        records = seed.get("sources") if isinstance(seed, dict) else None
-        for dataset, record in zip(self.datasets, records or [], strict=False):
-            adopt = getattr(dataset, "adopt_seeds", None)
-            if record is not None and callable(adopt):
-                adopt(record)
+        adopt_seed_records(self.datasets, seed.get("sources") if isinstance(seed, dict) else None)
 
     def whole_state(self) -> dict[str, Any]:
         return {

@@ -23,7 +23,7 @@ import numpy as np
 
 from wdsraft.core.state import describe, pack_rng, unpack_rng
 from wdsraft.pipeline.datapipeline import DataPipeline
-from wdsraft.pipeline.nested import END, SnapshotSource, pass_skip_on
+from wdsraft.pipeline.nested import END, SnapshotSource, adopt_seed_records, pass_skip_on, seed_records
 from wdsraft.pipeline.stage import Context, unresumable_state
 
 
@@ -109,15 +109,10 @@ class MixSource(SnapshotSource):
     def drawn_seed(self) -> Any:
         # The datasets' own drawn seeds and live RNGs: a state taken between two epochs holds no dataset
         # state, and the next epoch must draw what it would have drawn without the restore.
-        records = [getattr(dataset, "seed_record", None) for dataset in self.datasets]
-        return {"datasets": [record() if callable(record) else None for record in records]}
+        return {"datasets": seed_records(self.datasets)}
 
     def adopt_seed(self, seed: Any) -> None:
-        records = seed.get("datasets") if isinstance(seed, dict) else None
-        for dataset, record in zip(self.datasets, records or [], strict=False):
-            adopt = getattr(dataset, "adopt_seeds", None)
-            if record is not None and callable(adopt):
-                adopt(record)
+        adopt_seed_records(self.datasets, seed.get("datasets") if isinstance(seed, dict) else None)
 
 
 class _RandomSource(MixSource):

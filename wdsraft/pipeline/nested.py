@@ -176,3 +176,18 @@ class PipelineSource(SnapshotSource):
 
     def whole_state(self) -> dict[str, Any]:
         return self.dataset.state_dict()
+
+
+def seed_records(datasets: list[Any]) -> list[Any]:
+    """The seeds each dataset drew itself (a shuffle without a seed) and its live RNGs, for a state: a source
+    over several datasets carries them, so that a fresh one built the same way draws what they would have."""
+    records = [getattr(dataset, "seed_record", None) for dataset in datasets]
+    return [record() if callable(record) else None for record in records]
+
+
+def adopt_seed_records(datasets: list[Any], records: Any) -> None:
+    """Give each dataset back what :func:`seed_records` took."""
+    for dataset, record in zip(datasets, records or [], strict=False):
+        adopt = getattr(dataset, "adopt_seeds", None)
+        if record is not None and callable(adopt):
+            adopt(record)
