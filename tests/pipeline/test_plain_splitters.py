@@ -139,3 +139,19 @@ def test_a_state_taken_after_a_restore_part_way_through_an_item_resumes_too(urls
             got = [identity_of(next(items)) for _ in range(further)]
             again = resume(make, first.state_dict())
             assert got + again == stream[k:], (k, further)
+
+
+def test_a_plain_splitter_after_a_reader_built_from_webdataset_pieces(urls) -> None:
+    from webdataset.tariterators import group_by_keys
+
+    def make() -> wds.DataPipeline:
+        return wds.DataPipeline(
+            wds.SimpleShardList(urls),
+            wds.tariterators.url_opener,
+            wds.tariterators.tar_file_expander,
+            group_by_keys,
+            split3,
+            wds.shuffle(4, initial=4, seed=1),
+        )
+
+    assert_resumes_everywhere(make)
