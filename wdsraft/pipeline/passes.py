@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Callable, Iterator
-from itertools import islice
+from itertools import chain, islice
 from typing import TYPE_CHECKING, Any
 
 from wdsraft.core.distributed import WorkerInfo
@@ -16,6 +16,7 @@ from wdsraft.core.state import STATE_FORMAT, STATE_VERSION, config_text
 from wdsraft.pipeline.addresses import Address
 from wdsraft.pipeline.client import ClientReader, client_reader_span, composed, passed_through
 from wdsraft.pipeline.nested import is_stateful_dataset, source_stage_of
+from wdsraft.pipeline.partial import PartialTracker, counted, rest_of_item
 from wdsraft.pipeline.stage import (
     Context,
     SourceStage,
@@ -54,6 +55,31 @@ class _Pass:
                 function = stages[first] if first == last else composed(stages[first : last + 1], pipeline.invoke)
                 stages[first : last + 1] = [ClientReader(function, pipeline.invoke)] + [passed_through] * (last - first)
                 self.source_index = first
+        # Plain functions right after the source may yield several items per raw item: the first stage after
+        # them (or the output) counts what went past of the current raw item (see wdsraft.pipeline.partial).
+        self.boundary = len(self.stages)
+        self.plain: list[Any] = []
+        self.tracker: PartialTracker | None = None
+        if self.source_index is not None:
+            after = range(self.source_index + 1, len(self.stages))
+            self.boundary = next((i for i in after if isinstance(self.stages[i], Stage)), len(self.stages))
+            self.plain = [s for s in self.stages[self.source_index + 1 : self.boundary] if s is not passed_through]
+            if self.plain:
+                self.tracker = PartialTracker(self._source_rereads())
+                if self.tracker.rereads:
+                    ctx.partial = self.tracker  # (the source keeps what re-reading its raw item needs)
+                    saved = self.states.get("partial")
+                    if saved:  # (before anything goes past, the state still says where the restore starts)
+                        self.tracker.serial, self.tracker.base = -2, tuple(saved)
+
+    def _source_rereads(self) -> bool:
+        """Whether the source can re-read the raw item it read last: a seek (the tar reader), or a source that
+        keeps snapshots anyway because a stage after it holds items (a WebLoader, a nested dataset: a
+        snapshot per batch only for this would cost more than the batch's stages)."""
+        assert self.source_index is not None
+        source = self.stages[self.source_index]
+        after = self.stages[self.source_index + 1 :]
+        return not source.needs_live_addresses or any(isinstance(s, Stage) and s.holds_items for s in after)
 
     def resumes_mid_pass(self) -> bool:
         """Whether a state taken inside this pass can seek back there: the pipeline has a source stage
@@ -76,6 +102,8 @@ class _Pass:
         ctx.stages = stages
         source: Any = None
         for index, stage in enumerate(stages):
+            if index == self.boundary and self.tracker is not None:
+                source = self._tracked(source)
             if isinstance(stage, Stage):
                 stage.index = index
                 state = self.states.get(str(index))
@@ -88,7 +116,18 @@ class _Pass:
                 source = self.pipeline.invoke(stage)
             else:
                 source = self.pipeline.invoke(stage, source)
+        if self.boundary == len(stages) and self.tracker is not None:
+            source = self._tracked(source)  # (counted by the iteration, as items go out)
         return source
+
+    def _tracked(self, items: Iterator[Any]) -> Iterator[Any]:
+        """The items out of the plain functions after the source: first, on a restore, the rest of the raw
+        item they were part-way through; counted where a stage takes them (the output counts its own)."""
+        assert self.tracker is not None and isinstance(self.ctx.source, SourceStage)
+        saved = self.states.get("partial")
+        if saved and self.tracker.rereads:
+            items = chain(rest_of_item(self.ctx, self.ctx.source, self.plain, saved), items)
+        return items if self.boundary == len(self.stages) else counted(self.ctx, items, self.tracker)
 
     def _rematerializer(self, index: int) -> Callable[[list[Address]], list[Any]]:
         """Re-create the items a stage held: re-read raw items, replay the stateless stages in between."""
@@ -132,6 +171,18 @@ class _Pass:
             if source.needs_live_addresses:
                 live = self.ctx.live_addresses()
             states[str(self.source_index)] = source.source_state(live)
+        tracker = self.tracker
+        if tracker is not None and tracker.rereads:
+            states["partial"] = tracker.next_address()
+        elif tracker is not None and (tracker.split or tracker.count > 1):
+            names = ", ".join(
+                f"stage {self.stages.index(s)} ({getattr(s, '__name__', type(s).__name__)})" for s in self.plain
+            )
+            states["split"] = unresumable_state(
+                f"cannot save this pipeline: a plain function after its source ({names}) yields several items "
+                "per item, and the source cannot re-read the item it is part-way through, so a restore would "
+                "lose the rest of it; make the split a stage: wds.map(to_list) then wds.unlisted()"
+            )
         if self.ctx.unsaved:
             states["unsaved"] = unresumable_state(
                 f"cannot save this pipeline: {', '.join(self.ctx.unsaved)} runs as a plain function inside it "
@@ -206,9 +257,18 @@ class _Iteration:
                 )
             self.stage_states = None
             window_full = False
+            # Plain functions right before the output: count what goes out of the current raw item.
+            tracker = self.current.tracker if self.current.boundary == len(self.current.stages) else None
             for item in _pulled_as(ctx, self.current.iterator()):
                 self.yielded += 1
                 self.pass_count += 1
+                if tracker is not None:
+                    if ctx.serial != tracker.serial:
+                        if tracker.count > 1:
+                            tracker.split = True
+                        tracker.serial, tracker.base, tracker.count = ctx.serial, ctx.provenance, 1
+                    else:
+                        tracker.count += 1
                 yield item
                 if limit is not None and self.yielded >= limit:
                     window_full = True

@@ -50,6 +50,8 @@ class Context:
         self.skip: SkipSet | None = None
         #: Stages run as plain functions inside this pass (``wds.filters._shuffle``): what they hold is saved nowhere.
         self.unsaved: list[str] = []
+        #: The pass's ``PartialTracker`` where plain functions follow the source (the raw item they are in).
+        self.partial: Any = None
 
     def stamp(self, address: Address) -> None:
         self.provenance = address
@@ -68,13 +70,18 @@ class Context:
         self.provenance, self.serial = saved
 
     def live_addresses(self) -> list[Address]:
-        """Addresses of every item the stages after the source hold right now."""
-        return [
+        """Addresses of every item the stages after the source hold right now (and of the raw item plain
+        functions after the source are part-way through)."""
+        live = [
             address
             for stage in self.stages
             if isinstance(stage, Stage) and not isinstance(stage, SourceStage)
             for address in stage.addresses()
         ]
+        base = self.partial.base if self.partial is not None else None
+        if base is not None:
+            live.append((*base[:-1], 0))
+        return live
 
 
 class AddressTracker:

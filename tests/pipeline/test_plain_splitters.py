@@ -1,0 +1,157 @@
+"""A plain function that yields several items per raw item (a flat-map written as a generator), right after
+the source: a state taken part-way through a raw item resumes with the rest of it (the pass records the raw
+item's address and how many of its items went past; a restore re-reads it and drops those)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import wdsraft as wds
+from wdsraft.testing import assert_resumes_everywhere, resume, roundtrip, states_along
+from wdsraft.testing import identity as identity_of
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # webdataset's advice warnings
+
+N = 8
+
+
+@pytest.fixture(scope="module")
+def urls(write_shards) -> list[str]:
+    return write_shards("ps", [{"txt": str(n)} for n in range(N)], 3)
+
+
+def split3(src: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    for sample in src:
+        for i in range(3):
+            yield {"__key__": f"{sample['__key__']}/{i}", "i": i}
+
+
+def uneven(src: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """0, 1, 2 or 3 items per raw item (the number in the sample, modulo 4)."""
+    for sample in src:
+        for i in range(int(sample["txt"]) % 4):
+            yield {"__key__": f"{sample['__key__']}/{i}", "i": i}
+
+
+def identity(item: Any) -> Any:
+    return item
+
+
+def _pipeline(urls: list[str], *after: Any, splitter: Any = split3) -> wds.DataPipeline:
+    return wds.DataPipeline(wds.SimpleShardList(urls), wds.tarfile_to_samples(), wds.decode(), splitter, *after)
+
+
+def test_a_plain_splitter_alone_resumes_mid_item(urls) -> None:
+    stream = assert_resumes_everywhere(lambda: _pipeline(urls))
+    assert [key for key, _ in stream] == [f"{n:05d}/{i}" for n in range(N) for i in range(3)]
+
+
+def test_a_plain_splitter_giving_0_to_3_items_resumes_everywhere(urls) -> None:
+    stream = assert_resumes_everywhere(lambda: _pipeline(urls, splitter=uneven))
+    assert len(stream) == sum(n % 4 for n in range(N))
+
+
+def test_a_plain_splitter_then_shuffle(urls) -> None:
+    assert_resumes_everywhere(lambda: _pipeline(urls, wds.shuffle(4, initial=4, seed=1)))
+
+
+def test_a_plain_splitter_then_parallel_map_then_shuffle(urls) -> None:
+    def make() -> wds.DataPipeline:
+        return _pipeline(
+            urls, wds.parallel_map(identity, max_workers=2, prefetch_factor=2), wds.shuffle(4, initial=4, seed=1)
+        )
+
+    assert_resumes_everywhere(make)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_plain_splitter_inside_a_webloader(urls, workers: int) -> None:
+    def make() -> Any:
+        dataset = wds.DataPipeline(
+            wds.SimpleShardList(urls),
+            wds.split_by_worker,
+            wds.tarfile_to_samples(),
+            split3,
+            wds.shuffle(3, initial=3, seed=2),
+        )
+        # (a worker snapshot at every step: most of them part-way through a raw item)
+        return wds.WebLoader(dataset, batch_size=None, num_workers=workers, snapshot_every_n_steps=1)
+
+    kill_points = None if workers == 0 else [0, 1, 2, 5, 7, 11, 16, 23]
+    stream = assert_resumes_everywhere(make, kill_points=kill_points, same_shape=workers == 0)
+    assert sorted(key for key, _ in stream) == sorted(f"{n:05d}/{i}" for n in range(N) for i in range(3))
+
+
+def _after_loader(urls: list[str], *after: Any) -> wds.DataPipeline:
+    dataset = wds.DataPipeline(wds.SimpleShardList(urls), wds.tarfile_to_samples(), wds.decode())
+    return wds.DataPipeline(wds.WebLoader(dataset, batch_size=None, num_workers=0), split3, *after)
+
+
+def test_a_plain_splitter_after_a_webloader_then_shuffle(urls) -> None:
+    # (the loader keeps snapshots for the shuffle's buffer: the batch part-way through is one more to re-read)
+    assert_resumes_everywhere(lambda: _after_loader(urls, wds.shuffle(4, initial=4, seed=1)))
+
+
+@pytest.mark.parametrize("taken_after", [2, 4])  # (part-way through the first batch; after a split was seen)
+def test_a_plain_splitter_right_before_the_output_of_a_webloader_is_refused(urls, taken_after: int) -> None:
+    pipeline = _after_loader(urls)
+    items = iter(pipeline)
+    for _ in range(taken_after):
+        next(items)
+    with pytest.raises(wds.StateMismatchError, match=r"stage 1 \(split3\).*wds.map\(to_list\) then wds.unlisted"):
+        pipeline.state_dict()
+
+
+def test_pipelines_without_plain_stages_after_the_source_keep_their_state(urls) -> None:
+    def make() -> wds.DataPipeline:
+        return wds.DataPipeline(wds.SimpleShardList(urls), wds.tarfile_to_samples(), wds.shuffle(3, seed=1))
+
+    _, states = states_along(make, limit=4)
+    assert "partial" not in states[-1]["stages"]
+
+
+def test_the_state_names_the_raw_item_and_how_much_of_it_went_out(urls) -> None:
+    _, states = states_along(lambda: _pipeline(urls), limit=2)
+    url, ordinal, _offset, went_out = states[-1]["stages"]["partial"]
+    assert (url, ordinal, went_out) == (urls[0], 0, 2)
+    assert [key for key, _ in resume(lambda: _pipeline(urls), states[-1])[:2]] == ["00000/2", "00001/0"]
+
+
+@pytest.mark.parametrize("tail", ["none", "shuffle", "parallel_map"])
+def test_a_state_taken_after_a_restore_part_way_through_an_item_resumes_too(urls, tail: str) -> None:
+    def make() -> wds.DataPipeline:
+        after = {
+            "none": [],
+            "shuffle": [wds.shuffle(4, initial=4, seed=1)],
+            "parallel_map": [wds.parallel_map(identity, max_workers=2, prefetch_factor=1)],
+        }[tail]
+        return _pipeline(urls, *after)
+
+    stream, states = states_along(make)
+    for k in range(0, len(stream), 2):
+        for further in (1, 2):
+            first = make()
+            first.load_state_dict(roundtrip(states[k], "json"))
+            items = iter(first)
+            got = [identity_of(next(items)) for _ in range(further)]
+            again = resume(make, first.state_dict())
+            assert got + again == stream[k:], (k, further)
+
+
+def test_a_plain_splitter_after_a_reader_built_from_webdataset_pieces(urls) -> None:
+    from webdataset.tariterators import group_by_keys
+
+    def make() -> wds.DataPipeline:
+        return wds.DataPipeline(
+            wds.SimpleShardList(urls),
+            wds.tariterators.url_opener,
+            wds.tariterators.tar_file_expander,
+            group_by_keys,
+            split3,
+            wds.shuffle(4, initial=4, seed=1),
+        )
+
+    assert_resumes_everywhere(make)
