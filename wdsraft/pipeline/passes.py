@@ -257,7 +257,8 @@ class _Iteration:
                 )
             self.stage_states = None
             window_full = False
-            # Plain functions right before the output: count what goes out of the current raw item.
+            # Plain functions right before the output: count what goes out of the current raw item
+            # (``PartialTracker.seen`` written inline: a method call per item is the cost the read path avoids).
             tracker = self.current.tracker if self.current.boundary == len(self.current.stages) else None
             for item in _pulled_as(ctx, self.current.iterator()):
                 self.yielded += 1
