@@ -200,3 +200,28 @@ def test_a_reader_that_reorders_its_samples_refuses_rather_than_loses_them() -> 
     with pytest.raises(wds.StateMismatchError, match="drops or reorders samples"):
         pipeline.state_dict()
     assert len(head) + len(list(iterator)) == 30  # training goes on
+
+
+def test_an_elastic_resume_refuses_a_client_reader_rather_than_repeat_consumed_samples() -> None:
+    """A reader built from webdataset's pieces reads whole shards: handed a ledger's skip set (an elastic
+    resume), it must refuse, naming itself, not deliver the consumed samples again."""
+
+    class EverythingConsumed:
+        def skipped_in(self, url: str) -> set[int]:
+            return set(range(10_000))
+
+        def marks_in(self, url: str) -> None:
+            return None
+
+    ours = wds.DataPipeline(wds.SimpleShardList(URLS[0]), wds.tarfile_to_samples())
+    ours.skip_consumed(EverythingConsumed(), 0)
+    assert list(ours) == []
+    client = wds.DataPipeline(
+        wds.SimpleShardList(URLS[0]),
+        wds.tariterators.url_opener,
+        wds.tariterators.tar_file_expander,
+        wds.tariterators.group_by_keys,
+    )
+    client.skip_consumed(EverythingConsumed(), 0)
+    with pytest.raises(wds.StateMismatchError, match=r"stage \d+ \(.*\) cannot skip the samples a ledger"):
+        list(client)

@@ -333,3 +333,19 @@ def test_without_the_snapshot_of_its_watermark_a_read_starts_from_the_latest_not
     assert reader.last_read.snapshot.url == latest and reader.last_read.files_read == RANKS  # type: ignore[union-attr]
     snapshots = [url for url in read if url.endswith(".snapshot")]
     assert snapshots == [snapshot_url(path, **_mark(mark)), latest]  # (the missing one tried, then the latest)
+
+
+def test_compact_refuses_a_step_not_every_rank_committed(tmp_path) -> None:
+    """A rank committing the compacted step later commits there for the first time (no late marker): a
+    snapshot written before would miss its commit for good. compact() refuses until every rank is there."""
+    path = str(tmp_path / "l")
+    zero, one = (wds.Ledger(path, run="one", rank=rank, world_size=2) for rank in (0, 1))
+    zero.record({"__url__": ["s0.tar"], "__ordinal__": [1]}, 0)
+    mark = zero.commit(5)
+    with pytest.raises(wds.LedgerError, match="not every rank of the run has committed there"):
+        wds.Ledger(path, run="check").compact(mark["lineage"], mark["steps"])
+    one.record({"__url__": ["s1.tar"], "__ordinal__": [7]}, 0)
+    one.commit(5)
+    wds.Ledger(path, run="check").compact(mark["lineage"], mark["steps"])
+    reader = wds.Ledger(path, run="check")
+    assert pairs(reader.consumed(0, mark["lineage"], mark["steps"])) == {("s0.tar", 1), ("s1.tar", 7)}

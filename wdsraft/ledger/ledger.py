@@ -222,7 +222,21 @@ class Ledger:
         if lineage is None:
             mark = self.watermark()
             lineage, steps = mark["lineage"], mark["steps"]
-        return write_snapshot(self._snapshot_of(self.merged(lineage, steps), lineage, steps))
+        merged = self.merged(lineage, steps)
+        summaries = merged.summaries()
+        for run, commit in lineage.items():
+            # A rank committing this step later would leave no late marker (its first commit there): the
+            # snapshot would miss it for good. Only a step every rank reached can be compacted.
+            step = (steps or {}).get(run)
+            mark_of_run = step if step is not None else -commit
+            summary = summaries.get(run)
+            if summary is not None and mark_of_run not in summary.complete():
+                raise LedgerError(
+                    self.path,
+                    f"cannot compact run {run} at {'step ' + str(step) if step is not None else f'commit {commit}'}: "
+                    "not every rank of the run has committed there yet (compact a step every rank reached)",
+                )
+        return write_snapshot(self._snapshot_of(merged, lineage, steps))
 
     def _skip_set(self, epoch: int, lineage: dict[str, int], steps: dict[str, int | None] | None) -> ConsumedSet:
         """The consumed set a resume skips, its shards checked against the dataset (refused before anything
@@ -245,10 +259,11 @@ class Ledger:
         consumed = shared(compute, self._identities)
         if process_group() is not None:
             self._check_dataset(consumed)  # (every rank its share, together)
-        # Each rank records the identities of the skip set in its next commit, as where each read them itself.
+        # Each rank records the identities of its share of the skip set in its next commit (all of them, the
+        # whole set's, in every rank file would be ranks x 10^5 entries at the first gather).
         checked = self._identities.checked
-        shards = {shard_of_key(key) for key in (*consumed.samples, *consumed.tokens)}
-        self._to_record.update({url: found for url in shards if (found := checked.get(url)) is not None})
+        mine = self._share({shard_of_key(key) for key in (*consumed.samples, *consumed.tokens)})
+        self._to_record.update({url: found for url in mine if (found := checked.get(url)) is not None})
         return consumed
 
     def _snapshot_of(self, merged: Merged, lineage: dict[str, int], steps: dict[str, int | None] | None) -> Snapshot:
@@ -314,10 +329,8 @@ class Ledger:
         together, naming it. Without a process group it stops the rank that checks it, and any other rank
         that reads the shard is stopped at its first commit, which checks every shard it recorded positions
         in. (Keys of later passes of a mixture, ``URL#pass=p``, are checked under their shard's URL.)"""
-        shards = {shard_of_key(key) for key in (*consumed.samples, *consumed.tokens)}
+        mine = self._share({shard_of_key(key) for key in (*consumed.samples, *consumed.tokens)})
         group = process_group()
-        rank, world = (group.get_rank(), group.get_world_size()) if group is not None else (self.rank, self.world_size)
-        mine = {url for url in shards if zlib.crc32(url.encode()) % world == rank} if world > 1 else shards
         if group is None:
             self._to_record.update(self._identities.check(mine))
             return
@@ -327,14 +340,21 @@ class Ledger:
         except StateMismatchError as exn:
             refusal = str(exn)
         found = {url: self._identities.checked[url] for url in mine if url in self._identities.checked}
-        everyone: list[Any] = [None] * world
+        everyone: list[Any] = [None] * group.get_world_size()
         group.all_gather_object(everyone, (refusal, found))
         for other, (_refusal, their_found) in enumerate(everyone):
-            if other != rank:
+            if other != group.get_rank():
                 self._identities.checked.update(their_found)  # (compared with the dataset there: not read again)
         for other, (their_refusal, _found) in enumerate(everyone):
             if their_refusal is not None:
-                raise StateMismatchError(their_refusal if other == rank else f"(found by rank {other}) {their_refusal}")
+                mine_too = other == group.get_rank()
+                raise StateMismatchError(their_refusal if mine_too else f"(found by rank {other}) {their_refusal}")
+
+    def _share(self, shards: set[str]) -> set[str]:
+        """This rank's share of ``shards`` for the identity checks (by a hash of the URL)."""
+        group = process_group()
+        rank, world = (group.get_rank(), group.get_world_size()) if group is not None else (self.rank, self.world_size)
+        return {url for url in shards if zlib.crc32(url.encode()) % world == rank} if world > 1 else shards
 
     # -- checkpoints -------------------------------------------------------------------------------
 

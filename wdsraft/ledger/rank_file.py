@@ -277,11 +277,6 @@ def complete_steps(files: list[RankFile]) -> dict[str, dict[int, tuple[int, floa
     return {run: summary.complete() for run, summary in summarize(files).items() if summary.complete()}
 
 
-def committed_watermark(files: list[RankFile]) -> tuple[dict[str, int], dict[str, int | None], str]:
-    """The watermark of the newest step every rank of a run committed (``committed_in``) of rank files."""
-    return committed_in(summarize(files))
-
-
 def committed_in(runs: dict[str, RunSummary]) -> tuple[dict[str, int], dict[str, int | None], str]:
     """The watermark of the newest step every rank of a run committed (what a checkpoint there builds on):
     (run -> commit, run -> step, a description). Empty where no run has such a step."""

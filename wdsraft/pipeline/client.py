@@ -199,6 +199,11 @@ class ClientReader(SourceStage):
     def run(self, ctx: Context, src: Iterator[Any] | None, state: dict[str, Any] | None) -> Iterator[Any]:
         if src is None:
             raise ValueError(f"{self.name} needs a stream of shards before it")
+        if ctx.skip is not None:  # (it reads whole shards: the consumed samples would come back)
+            raise StateMismatchError(
+                f"stage {self.index} ({self.name}) cannot skip the samples a ledger says were consumed (an "
+                "elastic resume): read the shards with wds.tarfile_to_samples() or wds.WebDataset"
+            )
         if state is not None:
             self._live = dict(state)
         return self._samples(ctx, src, state)

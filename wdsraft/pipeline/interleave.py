@@ -23,6 +23,7 @@ each source, pass by pass, through :class:`PassSkip`.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections.abc import Container, Iterator, Mapping, Sequence
@@ -86,9 +87,9 @@ class PassSkip:
     def records_anything(self) -> bool:
         """Whether the skip set holds positions of this pass (of any shard). A skip set that cannot tell
         (not a ledger's ``ConsumedSet``) is taken to hold some."""
-        keys = [*getattr(self.skip, "samples", ()), *getattr(self.skip, "tokens", ())]
         if not hasattr(self.skip, "samples"):
             return True
+        keys = itertools.chain(self.skip.samples, getattr(self.skip, "tokens", ()))
         return any(split_pass_key(key)[1] == self.pass_number for key in keys)
 
 

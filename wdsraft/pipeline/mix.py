@@ -121,6 +121,7 @@ class _RandomSource(MixSource):
         self.probs = None if probs is None else list(probs)
         self.seed = seed
         self._probs: list[Any] = []
+        self._cumulated = np.zeros(0)
         self._rng: random.Random | None = None  # goes on across epochs, as the global generator does
 
     def config(self) -> dict[str, Any]:
@@ -137,11 +138,16 @@ class _RandomSource(MixSource):
     def adopt_mix_state(self, state: dict[str, Any] | None) -> None:
         if state is not None:
             self._rng = unpack_rng(state["rng"])
-            self._probs = list(state["probs"])
+            self._set_probs(list(state["probs"]))
             return
         if self._rng is None:
             self._rng = random.Random(self.seed) if self.seed is not None else _copy_of_global()
-        self._probs = [1] * len(self.datasets) if self.probs is None else list(self.probs)
+        self._set_probs([1] * len(self.datasets) if self.probs is None else list(self.probs))
+
+    def _set_probs(self, probs: list[Any]) -> None:
+        self._probs = probs
+        # (per change, not per item; none left: the mix has ended and draws nothing)
+        self._cumulated = (np.array(probs) / np.sum(probs)).cumsum() if probs else np.zeros(0)
 
     def mix_state(self) -> dict[str, Any]:
         assert self._rng is not None
@@ -149,14 +155,13 @@ class _RandomSource(MixSource):
 
     def pick(self) -> int:
         assert self._rng is not None
-        cumulated = (np.array(self._probs) / np.sum(self._probs)).cumsum()
         draw = self._rng.random()
         if self.seed is None:
             random.random()  # the global generator advances as under webdataset
-        return int(np.searchsorted(cumulated, draw))
+        return int(np.searchsorted(self._cumulated, draw))
 
     def exhausted(self, position: int) -> None:
-        del self._probs[position]
+        self._set_probs(self._probs[:position] + self._probs[position + 1 :])
 
 
 def _copy_of_global() -> random.Random:

@@ -73,10 +73,12 @@ class SnapshotSource(SourceStage):
         keep = any(isinstance(stage, Stage) and stage.holds_items for stage in ctx.stages[self.index + 1 :])
         next_snapshot = self._fetched if keep else -1
         fetch = self.fetch
+        prune_at = 64  # (doubled past what a pruning keeps: a buffer spanning many snapshots is walked rarely)
         while True:
             if self._fetched == next_snapshot:
-                if len(self._snapshots) >= 64:  # (pruned as snapshots are taken: not per item, where buffers are big)
+                if len(self._snapshots) >= prune_at:
                     self._prune(ctx)
+                    prune_at = max(64, 2 * len(self._snapshots))
                 self._snapshots[self._fetched] = self._quiet_state()
                 next_snapshot += self.snapshot_every
             item = fetch()
