@@ -91,6 +91,7 @@ def _rank(rank: int, port: int, urls: list[str], out) -> None:
         results["length raises"] = _error(lambda: _steps(_loader(urls, rank, _said(rank, "pad", 2, None))))
         for mode in ("pad", "shortest"):
             results[f"raises {mode}"] = _error(lambda mode=mode: _steps(wds.even_ends(_failing(rank), mode)))
+        results["ledger"] = _shortest_under_a_ledger(urls, rank)
         # A default group that is not gloo (NCCL on GPUs): the flag goes over a gloo twin made once.
         dist.get_backend = lambda group=None: "nccl"  # type: ignore[assignment]
         whole, _ = _steps(_loader(urls, rank, "pad"))
@@ -102,6 +103,34 @@ def _rank(rank: int, port: int, urls: list[str], out) -> None:
         raise
     finally:
         dist.destroy_process_group()
+
+
+def _ledger_loader(urls: list[str], ends: Any):
+    dataset = wds.WebDataset(urls, shardshuffle=False, nodesplitter=None).batched(4)
+    return wds.WebLoader(dataset, batch_size=None, num_workers=0, even_ends=ends)
+
+
+def _delivered(batch: Any) -> list[tuple[str, str]]:
+    return list(zip(batch["__url__"], batch["__key__"], strict=True))
+
+
+def _shortest_under_a_ledger(urls: list[str], rank: int) -> tuple[list[Any], Any]:
+    """An epoch with "shortest" through a ledger, checkpointed where every rank stopped: what was delivered,
+    and the checkpoint's data."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    path = os.path.join(os.path.dirname(urls[0]), "ledger-shortest")
+    ledger = wds.Ledger(path, run="one", rank=rank, world_size=WORLD)
+    loader = _ledger_loader([urls[n] for n in SHARDS_OF_RANK[rank]], "shortest")
+    delivered, step = [], 0
+    for batch in ledger.track(loader):
+        dist.all_reduce(torch.ones(1))
+        delivered += _delivered(batch)
+        step += 1
+    return delivered, ledger.checkpoint(loader, step)
 
 
 def _said(rank: int, mode: str, liar: int, change: int | None) -> Any:
@@ -250,3 +279,21 @@ def test_even_ends_costs_the_loader_no_snapshots(write_shards) -> None:
     source = loader.pipeline[0]
     for _ in loader:
         assert not source._snapshots
+
+
+def test_what_shortest_drops_is_not_consumed_and_an_elastic_resume_serves_it(runs) -> None:
+    """Three ranks stop together at the shortest rank's 2 steps: the ledger counts only what was handed out,
+    so one rank resuming the epoch elastically serves exactly the samples the longer ranks never delivered."""
+    import glob
+    import os
+
+    saved = runs[0]["ledger"][1]
+    path = saved["ledger"]["ledger"]  # (the ranks' ledger, beside their shards)
+    urls = sorted(glob.glob(os.path.join(os.path.dirname(path), "even-*.tar")))
+    delivered = [pair for rank in range(WORLD) for pair in runs[rank]["ledger"][0]]
+    assert len(delivered) == 8 + 5 + 8  # every rank its first 2 batches (rank 1's: 4 + 1 samples)
+    ledger = wds.Ledger(path, run="two", rank=0, world_size=1)
+    loader = _ledger_loader(urls, "shortest")
+    assert ledger.resume(loader, saved) == "elastic"
+    rest = [pair for batch in ledger.track(loader) for pair in _delivered(batch)]
+    assert len(rest) == 30 - len(delivered) and len(set(delivered + rest)) == 30  # each sample once
