@@ -20,6 +20,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 import wdsraft as wds
 from wdsraft.llm.sequences import build_sequence
+from wdsraft.pipeline.addresses import unpack_addresses
 from wdsraft.testing import identity, resume, roundtrip, states_along
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # webdataset's advice warnings
@@ -291,6 +292,78 @@ def test_restore_inside_a_long_last_document(tmp_path, corpus_records, cl100k, s
     assert len(stream) >= (3 if stage == "pad" else 5)
     for k in range(len(states)):
         assert resume(make, states[k], "json", seed=k) == stream[k:], k
+
+
+class _CountingTokenizer(wds.llm.TokenizerAdapter):
+    """cl100k_base, counting every text it encodes."""
+
+    name = "counting-cl100k"
+
+    def __init__(self, encoding) -> None:
+        self.encoding = encoding
+        self.texts: list[str] = []
+
+    def encode_batch(self, texts):
+        self.texts.extend(texts)
+        return [np.asarray(self.encoding.encode_ordinary(text), dtype=np.uint32) for text in texts]
+
+
+@pytest.fixture
+def packer_shard(tmp_path, corpus_records, cl100k) -> str:
+    """40 distinct documents of a few to a few hundred tokens, and one long one (12 sequences) early on."""
+    long_text = next(r["text"] for r in corpus_records if len(cl100k.encode(r["text"])) > 13 * LENGTH)
+    texts = [f"{number}: {r['text'][: 30 + (number * 53) % 600]}" for number, r in enumerate(corpus_records[:40])]
+    texts.insert(3, long_text[: len(long_text) * 13 * LENGTH // len(cl100k.encode(long_text))])
+    with wds.TarWriter(str(tmp_path / "pack.tar")) as sink:
+        for number, text in enumerate(texts):
+            sink.write({"__key__": f"{number:03d}", "txt": text})
+    return str(tmp_path / "pack.tar")
+
+
+def _packer(url: str, tokenizer) -> wds.DataPipeline:
+    return (
+        wds.WebDataset([url], shardshuffle=False)
+        .tokenize(tokenizer, batch_size=4)
+        .ensure_bos_eos(bos_id=100257, eos_id=100257)
+        .pack_bestfit(LENGTH, buffer=30)
+    )
+
+
+def test_packer_restore_at_every_step_with_a_full_buffer(packer_shard, cl100k) -> None:
+    """A packer holding dozens of documents, one of them cut into a dozen sequences: restored at every
+    step, the rest of the stream is the uninterrupted one (its documents are re-read as they go out)."""
+    stream, states = states_along(lambda: _packer(packer_shard, cl100k))
+    assert len(stream) > 30
+    for k in range(len(states)):
+        assert resume(lambda: _packer(packer_shard, cl100k), states[k], ("msgpack", "json")[k % 2]) == stream[k:], k
+
+
+def test_packer_restore_re_reads_only_the_documents_of_the_next_sequences(packer_shard, cl100k) -> None:
+    """The first sequence after a restore waits for the documents of a few sequences, not for every
+    document the packer held; and over the rest of the stream each document is tokenized once."""
+    counting = _CountingTokenizer(cl100k)
+    pipeline = _packer(packer_shard, counting)
+
+    def named(state) -> set:
+        packer = next(stage for stage in state["stages"].values() if isinstance(stage, dict) and "ready_sizes" in stage)
+        return {tuple(a) for part in ("ready", "held") for a in unpack_addresses(packer[part]["docs"])}
+
+    states = [roundtrip(pipeline.state_dict(), "json") for _ in pipeline]
+    state = max(states, key=lambda state: len(named(state)))
+    assert len(named(state)) >= 25  # (the packer holds most of its buffer there)
+
+    counting.texts.clear()
+    restored = _packer(packer_shard, counting)
+    restored.load_state_dict(state)
+    next(iter(restored))
+    assert len(counting.texts) <= 20, len(counting.texts)  # (a few sequences' documents + tokenize's batch)
+
+    for k, state in enumerate(states):  # (some inside the long document: its pieces span several groups)
+        counting.texts.clear()
+        restored = _packer(packer_shard, counting)
+        restored.load_state_dict(state)
+        list(restored)
+        assert not [text for text, count in Counter(counting.texts).items() if count > 1], k  # each tokenized once
 
 
 @pytest.mark.parametrize("stage", ["concat_chunk", "chunk_keep", "pad", "pack_bestfit", "pack_bestfit_1"])

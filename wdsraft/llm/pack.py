@@ -10,11 +10,13 @@ from collections.abc import Iterator
 from typing import Any
 
 from wdsraft.core.fields import OFFSET_FIELD, ORDINAL_FIELD
-from wdsraft.llm.sequences import Piece, _document_position, _remaining, _SequenceStage
+from wdsraft.llm.sequences import Piece, Unread, _document_position, _remaining, _SequenceStage
 from wdsraft.pipeline.addresses import Address
 from wdsraft.pipeline.stage import AddressTracker, Context
 
 logger = logging.getLogger(__name__)
+
+READ_AHEAD = 8  # sequences whose restored documents are re-read at once, ahead of where they go out
 
 
 def _item_address(item: dict[str, Any]) -> Address | None:
@@ -58,9 +60,9 @@ class PackBestFit(_SequenceStage):
 
     def _run(self, ctx: Context, src: Iterator[Any]) -> Iterator[Any]:
         if self._saved is not None:
-            pieces = iter(self._restore(ctx, self._saved["ready"]))
+            pieces = iter(self._restore(ctx, self._saved["ready"], unread=True))
             self._ready.extend([next(pieces) for _ in range(size)] for size in self._saved["ready_sizes"])
-            self._held.extend(self._restore(ctx, self._saved["held"]))
+            self._held.extend(self._restore(ctx, self._saved["held"], unread=True))
             yield from self._hand_out(ctx)
         tracker = AddressTracker(ctx)
         n = self.length
@@ -92,8 +94,22 @@ class PackBestFit(_SequenceStage):
 
     def _hand_out(self, ctx: Context) -> Iterator[Any]:
         while self._ready:
+            if any(isinstance(piece[0], Unread) for piece in self._ready[0]):
+                self._read_ahead(ctx)
             sequence = self._ready.pop(0)
             yield self._emit(ctx, sequence)
+
+    def _read_ahead(self, ctx: Context) -> None:
+        """Re-read the restored documents of the next ``READ_AHEAD`` sequences, and with them every other
+        piece of those documents (each document is re-read once): the first batch after a restore waits
+        for its own documents only, and the rest are read in groups (a few reads each on S3)."""
+        wanted = {
+            piece[1] for sequence in self._ready[:READ_AHEAD] for piece in sequence if isinstance(piece[0], Unread)
+        }
+        sizes = [len(sequence) for sequence in self._ready]
+        read = iter(self._read(ctx, [piece for sequence in self._ready for piece in sequence] + self._held, wanted))
+        self._ready = [[next(read) for _ in range(size)] for size in sizes]
+        self._held = list(read)
 
     def _pack(self, pieces: list[Piece]) -> list[list[Piece]]:
         """Best-fit decreasing; ties broken by arrival order, so packing is deterministic."""

@@ -38,7 +38,24 @@ logger = logging.getLogger(__name__)
 os.register_at_fork(after_in_child=lambda: setattr(_ThreadedAdapter, "_pool_lock", threading.Lock()))
 
 
-Piece = tuple  # (tokens: np.ndarray, address, start, end, doc_length, position)
+Piece = tuple  # (tokens: np.ndarray | Unread, address, start, end, doc_length, position)
+
+
+class Unread:
+    """The tokens of a restored piece, not re-read yet: only their number.
+
+    Packing needs only how many tokens a piece has. Re-reading and re-tokenizing every document
+    a packer held (up to its whole buffer) before the first sequence went out made a restore's
+    first batch wait for all of them; they are now read a few sequences ahead of where they go out.
+    """
+
+    __slots__ = ("size",)
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
 
 
 def _remaining(item: dict[str, Any]) -> tuple[np.ndarray, int]:
@@ -147,18 +164,41 @@ class _SequenceStage(Stage):
             "spans": [[piece[2], piece[3]] for piece in pieces],
         }
 
-    def _restore(self, ctx: Context, saved: dict[str, Any]) -> list[Piece]:
+    def _restore(self, ctx: Context, saved: dict[str, Any], *, unread: bool = False) -> list[Piece]:
+        """The pieces a state names; with ``unread``, their tokens stand in as ``Unread`` until ``_read``."""
         addresses = unpack_addresses(saved["docs"])
-        if not addresses:
-            return []
-        unique = list(dict.fromkeys(addresses))
+        pieces = [
+            (Unread(end - start), address, start, end, None, None)
+            for address, (start, end) in zip(addresses, saved["spans"], strict=True)
+        ]
+        return pieces if unread else self._read(ctx, pieces)
+
+    def _read(self, ctx: Context, pieces: list[Piece], wanted: set[Address] | None = None) -> list[Piece]:
+        """``pieces`` with the tokens of their ``Unread`` ones re-read (only those of the documents ``wanted``,
+        if given): their documents re-read and re-tokenized at once, each document once."""
+
+        def unread(piece: Piece) -> bool:
+            return isinstance(piece[0], Unread) and (wanted is None or piece[1] in wanted)
+
+        unique = list(dict.fromkeys(piece[1] for piece in pieces if unread(piece)))
+        if not unique:
+            return pieces
         documents = dict(zip(unique, ctx.rematerializers[self.index](unique), strict=True))
-        pieces = []
-        for address, (start, end) in zip(addresses, saved["spans"], strict=True):
+        read = []
+        for piece in pieces:
+            if not unread(piece):
+                read.append(piece)
+                continue
+            _, address, start, end, _, _ = piece
             document = documents[address]
             tokens = document[TOKENS]
-            pieces.append((tokens[start:end], address, start, end, len(tokens), _document_position(document, address)))
-        return pieces
+            if end > len(tokens):  # (a tokenizer that gives fewer tokens than when the state was taken)
+                raise StateMismatchError(
+                    f"stage {self.index}: document {_position(address)} has {len(tokens)} tokens on re-reading, "
+                    f"the state holds its tokens {start}-{end}: was the tokenizer changed?"
+                )
+            read.append((tokens[start:end], address, start, end, len(tokens), _document_position(document, address)))
+        return read
 
     def addresses(self) -> list[Address]:
         return [piece[1] for piece in self._held if piece[1] is not None]
