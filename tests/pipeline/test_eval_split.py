@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections import Counter
 
 import pytest
@@ -110,3 +111,24 @@ def test_each_pass_reads_each_index_once(urls, monkeypatch) -> None:
         passes.append(sorted(reads))
     assert passes[0] == sorted([urls[1], *urls[1:4]])  # (the seek's read, then the reader's)
     assert passes[1] == passes[2] == urls[1:4]
+
+
+def test_the_counts_are_read_in_parallel(urls, monkeypatch) -> None:
+    """Building the split reads the indexes several at once (one GET each on S3): the first four reads wait
+    for each other at a barrier, which reads one after another would never pass; the counts keep their order."""
+    barrier = threading.Barrier(4, timeout=20)
+    real = wds.ShardIndex.beside.__func__
+    lock, waited = threading.Lock(), []
+
+    def meeting(cls, url):
+        with lock:
+            waits = len(waited) < 4
+            waited.append(url)
+        if waits:
+            barrier.wait()
+        return real(cls, url)
+
+    monkeypatch.setattr(wds.ShardIndex, "beside", classmethod(meeting))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert EvalSplit(urls).counts == SIZES

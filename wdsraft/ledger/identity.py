@@ -9,11 +9,11 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from wdsraft.core.errors import StateMismatchError
 from wdsraft.index.shard_index import ShardIndex
+from wdsraft.io.threads import map_in_threads
 
 logger = logging.getLogger(__name__)
 
@@ -49,10 +49,7 @@ def identity_of(url: str) -> Identity | None:
 def identities_of(urls: Iterable[str]) -> dict[str, Identity | None]:
     """The identities of several shards (index reads in parallel threads: one GET each on S3)."""
     wanted = sorted(set(urls))
-    if len(wanted) <= 1:
-        return {url: identity_of(url) for url in wanted}
-    with ThreadPoolExecutor(min(16, len(wanted))) as pool:
-        return dict(zip(wanted, pool.map(identity_of, wanted), strict=True))
+    return dict(zip(wanted, map_in_threads(identity_of, wanted), strict=True))
 
 
 def difference(recorded: Identity, current: Identity) -> str | None:

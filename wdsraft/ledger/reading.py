@@ -12,12 +12,12 @@ import posixpath
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from wdsraft.io.ranged import split_s3_url
 from wdsraft.io.s3 import list_objects, s3_endpoint_url
 from wdsraft.io.storage import local_path
+from wdsraft.io.threads import map_in_threads
 
 logger = logging.getLogger(__name__)
 
@@ -93,31 +93,8 @@ def read_optional(url: str) -> bytes | None:
 def parallel_map(
     function: Callable[[str], T], urls: Iterable[str], progress: str | None = None, concurrency: int = CONCURRENCY
 ) -> Iterator[T]:
-    """``function(url)`` of each URL, in order, at most ``concurrency`` at once; with ``progress``, a tqdm
-    bar of that name where there are many."""
-    wanted = list(urls)
-    if len(wanted) <= 1:
-        yield from map(function, wanted)
-        return
-    bar = None
-    if progress is not None and len(wanted) >= 200:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(wanted), unit="file", desc=progress)
-    with ThreadPoolExecutor(min(concurrency, len(wanted))) as pool:
-        # Submitted in windows: a result is handed on (and its bytes dropped) while later reads run.
-        window = 4 * concurrency
-        futures = [pool.submit(function, url) for url in wanted[:window]]
-        for index in range(len(wanted)):
-            result = futures[index].result()
-            futures[index] = None  # type: ignore[call-overload]
-            if index + window < len(wanted):
-                futures.append(pool.submit(function, wanted[index + window]))
-            if bar is not None:
-                bar.update(1)
-            yield result
-    if bar is not None:
-        bar.close()
+    """``function(url)`` of each URL, in order, ``WDSRAFT_LEDGER_CONCURRENCY`` at once (the connection pool's size)."""
+    return map_in_threads(function, urls, progress, concurrency)
 
 
 def list_rank_files(path: str, runs: Iterable[str] | None = None) -> list[str]:

@@ -21,6 +21,7 @@ from wdsraft.core.errors import IndexFormatError
 from wdsraft.core.fields import OFFSET_FIELD
 from wdsraft.core.state import fingerprint
 from wdsraft.index.shard_index import INDEX_SUFFIX, ShardIndex
+from wdsraft.io.threads import map_in_threads
 from wdsraft.pipeline.shardlists import UrlList
 from wdsraft.pipeline.stage import Context, Stage
 from wdsraft.tar.reader import ShardSampleReader
@@ -34,8 +35,8 @@ def sample_counts(urls: list[str], count_unindexed: bool = False) -> tuple[list[
     """Each shard's sample count, from its index; a shard without one is refused, or (``count_unindexed``)
     read whole to count it, keeping its samples' byte offsets (returned by URL) for the seeks."""
     counts, offsets = [], {}
-    for url in urls:
-        index = ShardIndex.beside(url)
+    # (one GET each on S3, in parallel threads: one after another, 10^4 shards took minutes per rank)
+    for url, index in zip(urls, map_in_threads(ShardIndex.beside, urls, progress="shard indexes"), strict=True):
         if index is not None:
             counts.append(index.num_samples)
         elif count_unindexed:
