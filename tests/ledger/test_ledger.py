@@ -516,6 +516,44 @@ def test_ledger_refuses_a_dataset_that_repeats_inside_the_loader(tmp_path, urls)
         next(wds.Ledger(str(tmp_path / "l"), run="r").track(loader))
 
 
+def _three_pieces(src):
+    for sample in src:
+        for piece in range(3):
+            yield {**sample, "piece": piece}
+
+
+@pytest.mark.parametrize(
+    "split",
+    [
+        lambda d: d.compose(_three_pieces).batched(4),  # a flat-map generator right after the source
+        lambda d: d.map(lambda s: [{**s, "piece": k} for k in range(3)]).unlisted().batched(4),
+        lambda d: d.shuffle(15, seed=1).compose(_three_pieces).batched(1),  # each piece in its own batch
+    ],
+    ids=["generator", "unlisted", "one-piece-per-batch"],
+)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_ledger_refuses_samples_split_into_several_items(tmp_path, urls, split, workers) -> None:
+    """A sample delivered as several items would be recorded consumed with its first one: an elastic resume
+    after a checkpoint between its items lost the rest (2 to 11 of 90 pieces here). The run stops before
+    the batch that repeats a sample goes out, naming it."""
+    dataset = split(wds.WebDataset(urls, shardshuffle=False))
+    loader = wds.WebLoader(dataset, batch_size=None, num_workers=workers)
+    ledger = wds.Ledger(str(tmp_path / "l"), run="r", rank=0, world_size=1)
+    with pytest.raises(LedgerError, match=r"sample \d+ of .* reached the training loop twice in epoch 0"):
+        for _ in ledger.track(loader):
+            pass
+
+
+def test_ledger_takes_resampled_shards_that_repeat_samples(tmp_path, urls) -> None:
+    """Shards drawn with replacement repeat samples within an epoch by design: not refused."""
+    dataset = wds.WebDataset(urls[:2], resampled=True, seed=3, shardshuffle=False).batched(5)
+    loader = wds.WebLoader(dataset, batch_size=None).with_epoch(12)
+    ledger = wds.Ledger(str(tmp_path / "l"), run="r", rank=0, world_size=1)
+    pairs = [pair for batch in ledger.track(loader) for pair in _pairs(batch)]
+    assert len(pairs) == 60 and len(set(pairs)) <= 20  # (two shards of 10: every sample came several times)
+    ledger.commit(12)
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_uneven_shares_then_an_elastic_resume_serve_every_sample_once(tmp_path, urls, monkeypatch, workers) -> None:
     """12 shards over 5 ranks: shares of 3, 3, 2, 2 and 2 shards (8 and 5 batches of 4 without workers,

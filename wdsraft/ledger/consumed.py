@@ -163,3 +163,26 @@ class PieceOrder:
                 self.next_token[key] = max(end, expected or 0)
                 if len(self.next_token) > self.capacity:
                     self.next_token.popitem(last=False)
+
+
+def refuse_repeats(shard: str, ordinals: list[int], recorded: BitMap | None, epoch: int) -> None:
+    """Stops a run that delivers a whole sample twice in one epoch before the ledger records it.
+
+    The ledger counts whole samples: a sample split into several items (``unlisted``, a flat-map, a
+    ``concat_datasets`` of one dataset twice) is marked consumed with its first item, so an elastic
+    resume after a checkpoint between its items would skip the rest. Seen within one batch or
+    between the commits' batches (a split's items mostly travel close together)."""
+    batch = BitMap(ordinals)
+    if len(batch) == len(ordinals) and not (recorded is not None and recorded.intersect(batch)):
+        return
+    seen = collections.Counter(ordinals)
+    again = next(o for o in ordinals if seen[o] > 1 or (recorded is not None and o in recorded))
+    raise LedgerError(
+        "ledger",
+        f"sample {again} of {shard} reached the training loop twice in epoch {epoch}. The ledger counts whole "
+        "samples: a sample split into several items (unlisted/unbatched of a list made from one sample, a "
+        "generator yielding several items per sample) would be marked consumed with its first item, and an "
+        "elastic resume would lose the rest. Deliver each sample as one item (split it in the training step), "
+        "or make LLM sequences, which record token ranges. A stream that repeats samples on purpose "
+        "(resampled=True) is not checked.",
+    )

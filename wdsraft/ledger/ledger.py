@@ -32,7 +32,7 @@ from wdsraft.core.distributed import rank_and_world_size
 from wdsraft.core.errors import LedgerError, StateMismatchError
 from wdsraft.core.fields import PROVENANCE_FIELD, shard_of_key
 from wdsraft.io.storage import exists, write_bytes_atomic
-from wdsraft.ledger.consumed import ConsumedSet, PieceOrder, _piece_positions, _pieces, positions_of
+from wdsraft.ledger.consumed import ConsumedSet, PieceOrder, _piece_positions, _pieces, positions_of, refuse_repeats
 from wdsraft.ledger.gathered import SnapshotChain, process_group
 from wdsraft.ledger.identity import Identity, ShardIdentities
 from wdsraft.ledger.merged import Merged, merge_under, read_rank_files, shared
@@ -80,6 +80,9 @@ class Ledger:
         self.pending: dict[int, ConsumedSet] = {}  # epoch -> delivered since the last commit
         self._file: RankFile | None = None
         self._order = PieceOrder()
+        #: Whether the stream may deliver a sample twice in an epoch by design (shards drawn with replacement);
+        #: otherwise such a repeat stops the run (see ``refuse_repeats``). ``track()`` finds it out.
+        self.repeats_expected = False
         self._identities = ShardIdentities(self.path)
         self._to_record: dict[str, Identity] = {}  # identities read from the dataset, for the next commit
         #: For a run that resumed elastically: the epoch and lineage whose consumed set it skips.
@@ -116,6 +119,8 @@ class Ledger:
             elif token_end is not None:
                 consumed.add_tokens(shard, ordinal, token_end)
         for shard, ordinals in whole.items():
+            if not self.repeats_expected:
+                refuse_repeats(shard, ordinals, consumed.samples.get(shard), epoch)
             consumed.add_samples(shard, ordinals)
 
     def track(self, loader: Any) -> Iterator[Any]:
@@ -126,6 +131,9 @@ class Ledger:
             raise LedgerError(
                 "ledger", "the dataset inside the WebLoader repeats (repeat/with_epoch): put them on the WebLoader"
             )
+        self.repeats_expected = _draws_with_replacement(
+            inner if inner is not None else getattr(loader, "dataset", None)
+        )
         for batch in loader:
             self.record(batch, _epoch_of(loader))
             yield batch
@@ -484,3 +492,13 @@ def _set_epoch(loader: Any, epoch: int) -> None:
         set_epoch = getattr(target, "set_epoch", None)
         if set_epoch is not None:
             set_epoch(epoch)
+
+
+def _draws_with_replacement(dataset: Any, depth: int = 0) -> bool:
+    """Whether ``dataset``, or a dataset nested in it, draws its shards with replacement (``resampled=True``)."""
+    if getattr(dataset, "draws_with_replacement", False):
+        return True
+    if dataset is None or depth > 8:
+        return False
+    nested = [*(getattr(dataset, "pipeline", None) or ()), *(getattr(dataset, "datasets", None) or ())]
+    return any(_draws_with_replacement(part, depth + 1) for part in nested if part is not dataset)

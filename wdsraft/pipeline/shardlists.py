@@ -97,6 +97,8 @@ class ResampledShards(UrlList, IterableDataset, Stage):
     seed drawn is kept in the state, so a restore replays the same draws.
     """
 
+    draws_with_replacement = True  # (a sample may come twice in an epoch: the ledger does not refuse that)
+
     def __init__(
         self,
         urls: Any,
