@@ -58,9 +58,10 @@ def gopen(url: str, mode: str = "rb", bufsize: int = 8192, **kw: Any) -> IO[byte
     return cast(IO[bytes], webdataset_gopen(url, mode, bufsize, **kw))  # (which applies GOPEN_REWRITE itself)
 
 
-def _open_raw(url: str, offset: int) -> IO[bytes]:
+def _open_raw(url: str, offset: int, plain: bool = False) -> IO[bytes]:
     """Open the stored bytes of a shard from the start; ``offset`` says where the caller will go next
-    (a whole-shard read may stream through s5cmd; a later seek needs a seekable reader)."""
+    (a whole-shard read may stream through s5cmd; a later seek needs a seekable reader). A remote
+    ``plain`` shard (no look at its first bytes) opens at ``offset`` directly."""
     original, url = url, rewrite_url(url)
     parsed = urlparse(url)
     if parsed.scheme in ("", "file"):
@@ -70,10 +71,11 @@ def _open_raw(url: str, offset: int) -> IO[bytes]:
         policy = read_policy()
         binary = s5cmd_binary() if offset == 0 else None
         first = s5cmd_opener(binary, url, policy) if binary is not None else None
-        return cast(IO[bytes], ResumableStream(url, s3_opener(url, policy), policy, first=first))
+        start = offset if plain else 0
+        return cast(IO[bytes], ResumableStream(url, s3_opener(url, policy), policy, first=first, start=start))
     if parsed.scheme in ("http", "https"):
         policy = read_policy()
-        return cast(IO[bytes], ResumableStream(url, http_opener(url, policy), policy))
+        return cast(IO[bytes], ResumableStream(url, http_opener(url, policy), policy, start=offset if plain else 0))
     return cast(IO[bytes], webdataset_gopen(original, "rb"))  # (which applies GOPEN_REWRITE itself)
 
 
@@ -103,16 +105,21 @@ def discard(stream: IO[bytes], count: int, url: str) -> None:
         raise TarFormatError(url, count - left, f"cannot read the stream ({type(exn).__name__}: {exn})") from exn
 
 
-def open_shard(url: str, offset: int = 0) -> IO[bytes]:
+def open_shard(url: str, offset: int = 0, *, plain: bool = False) -> IO[bytes]:
     """Open a shard as an uncompressed tar stream positioned at ``offset``.
 
     Compressed shards (gzip, bz2, xz, zstd) are recognised by their first bytes, whatever
     their name, and decompressed on the fly; offsets count uncompressed bytes, so seeking
     into them decompresses up to the offset. Plain shards seek (local ``seek``, HTTP/S3
     ``Range``) where the transport can, and otherwise read and discard up to the offset.
+    ``plain``: the caller knows the shard is an uncompressed tar (its index says so), so its
+    first bytes are not read to recognise it: on S3 or HTTP a seek is one request, not two.
     """
-    raw = _open_raw(url, offset)
+    raw = _open_raw(url, offset, plain)
     try:
+        if plain and _can_seek(raw):
+            raw.seek(offset)  # (a remote stream opened there already: no request)
+            return raw
         stream, kind = uncompressed(raw)
         if kind is None and offset == 0 and isinstance(raw, ResumableStream):
             return stream  # (the first bytes read stay in front: seeking back would cost a request)

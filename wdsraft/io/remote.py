@@ -121,17 +121,25 @@ class ResumableStream(io.RawIOBase):
     """A read-only, seekable stream of one remote object that reopens where it stopped after a failure.
 
     ``first`` opens the first response at offset 0 (an s5cmd pipe, say); reopening always goes
-    through ``opener``. A read returns the bytes asked for unless the object ends; an error after
-    the retries raises :class:`RemoteReadError` naming the URL and the offset reached.
+    through ``opener``. ``start``: where the first response starts (a seek known in advance costs
+    no request from byte 0). A read returns the bytes asked for unless the object ends; an error
+    after the retries raises :class:`RemoteReadError` naming the URL and the offset reached.
     """
 
-    def __init__(self, url: str, opener: Opener, policy: RetryPolicy | None = None, first: Opener | None = None):
+    def __init__(
+        self,
+        url: str,
+        opener: Opener,
+        policy: RetryPolicy | None = None,
+        first: Opener | None = None,
+        start: int = 0,
+    ):
         super().__init__()
         self.url = url
         self.policy = policy if policy is not None else read_policy()
         self._opener = opener
         self._first = first  # used for the first response only (say, an s5cmd pipe); reopens use opener
-        self._pos = 0
+        self._pos = start
         self._body: Body | None = None
         self._size: int | None = None
         self._etag: str | None = None

@@ -125,7 +125,10 @@ class ShardSampleReader:
             )
         if index is not None and self._stream is None:
             _check_size(self.url, index)
-        stream = self._stream if self._stream is not None else open_shard(self.url, self.start_offset)
+        if self._stream is not None:
+            stream = self._stream
+        else:  # (a shard its index says is a plain tar needs no look at its first bytes: one request on S3)
+            stream = open_shard(self.url, self.start_offset, plain=index is not None and index.compression is None)
         try:
             digester = SpanDigester(stream, self.start_offset) if self.verify else None
             source = cast(IO[bytes], digester) if digester is not None else stream
