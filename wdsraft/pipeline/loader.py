@@ -253,8 +253,30 @@ def convert_batch(batch: Any) -> Any:
             if compact is not None:
                 return compact
     if type(batch) is dict:
-        return {k: v if isinstance(k, str) and k.startswith("__") else default_convert(v) for k, v in batch.items()}
-    return default_convert(batch)
+        return {k: v if isinstance(k, str) and k.startswith("__") else _convert(v) for k, v in batch.items()}
+    return _convert(batch)
+
+
+#: Types ``default_convert`` hands back as they are (no numpy type, no container it walks).
+_LEAVES = frozenset({str, bytes, int, float, bool, complex, type(None)})
+
+
+def _convert(data: Any) -> Any:
+    """``default_convert(data)``, the same value, with plain lists and dicts of plain leaves (a batch's
+    texts, its decoded JSON) copied in C: ``default_convert`` walks them item by item (about 0.2 µs an
+    item through its type checks, 2 µs a sample here). Anything else goes to ``default_convert``."""
+    kind = type(data)
+    if kind in _LEAVES:
+        return data
+    if kind is list:
+        if _LEAVES.issuperset(map(type, data)):
+            return data.copy()  # (default_convert copies a list, then converts each item in place)
+        return [_convert(item) for item in data]
+    if kind is dict:
+        if _LEAVES.issuperset(map(type, data.values())):
+            return data.copy()
+        return {key: _convert(value) for key, value in data.items()}
+    return default_convert(data)
 
 
 class DieWithParent:

@@ -1,0 +1,72 @@
+"""What a ``WebLoader`` worker hands to the training process: batches converted exactly as DataLoader's
+``default_convert`` converts them, however the conversion is done."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils.data import default_convert
+
+from wdsraft.pipeline.loader import convert_batch
+
+_leaves = st.one_of(
+    st.text(max_size=3),
+    st.binary(max_size=3),
+    st.integers(-5, 5),
+    st.booleans(),
+    st.floats(allow_nan=False),
+    st.none(),
+    st.integers(0, 9).map(np.int64),  # a numpy scalar: default_convert makes a tensor of it
+    st.lists(st.integers(0, 9), max_size=3).map(np.array),
+    st.lists(st.text(max_size=2), min_size=1, max_size=2).map(np.array),  # strings: left as they are
+)
+_values = st.recursive(
+    _leaves,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4),
+        st.lists(inner, max_size=3).map(tuple),  # default_convert makes a list of a tuple
+        st.dictionaries(st.text(max_size=3), inner, max_size=4),
+    ),
+    max_leaves=12,
+)
+
+
+def _same(got: Any, expected: Any, original: Any) -> None:
+    assert type(got) is type(expected), (got, expected)
+    if isinstance(expected, torch.Tensor):
+        assert got.dtype == expected.dtype and torch.equal(got, expected)
+    elif isinstance(expected, np.ndarray):
+        assert got.dtype == expected.dtype and np.array_equal(got, expected)
+    elif isinstance(expected, dict):
+        assert list(got) == list(expected)  # same keys, same order
+        assert got is not original  # a copy, as default_convert's
+        for key in expected:
+            _same(got[key], expected[key], original[key])
+    elif isinstance(expected, list):
+        assert len(got) == len(expected) and got is not original
+        for a, b, c in zip(got, expected, original, strict=True):
+            _same(a, b, c)
+    else:
+        assert got == expected or (got != got and expected != expected)
+
+
+@settings(max_examples=150, deadline=None)
+@given(value=_values)
+def test_conversion_is_default_convert(value) -> None:
+    _same(convert_batch(value), default_convert(value), value)
+    batch = {"x": value, "__key__": [value]}  # metadata fields are left alone
+    converted = convert_batch(batch)
+    assert converted["__key__"] is batch["__key__"]
+    _same(converted["x"], default_convert(value), value)
+
+
+def test_decoded_text_and_json_batch_is_copied_not_walked() -> None:
+    batch = {"txt": ["a", "b"], "json": [{"id": "1", "n": 2}, {"id": "2", "n": None}], "cls": np.arange(2)}
+    converted = convert_batch(batch)
+    assert converted["txt"] == ["a", "b"] and converted["txt"] is not batch["txt"]
+    assert converted["json"] == batch["json"] and converted["json"][0] is not batch["json"][0]
+    assert isinstance(converted["cls"], torch.Tensor)
