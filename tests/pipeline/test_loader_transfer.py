@@ -1,16 +1,20 @@
-"""What a ``WebLoader`` worker hands to the training process: batches converted exactly as DataLoader's
-``default_convert`` converts them, however the conversion is done."""
+"""What a ``WebLoader`` worker hands to the training process: batches collated exactly as webdataset's
+``default_collation_fn`` collates them and converted exactly as DataLoader's ``default_convert`` converts
+them, however either is done."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import default_convert
+from webdataset.filters import default_collation_fn
 
+from wdsraft.pipeline.batch import batched
 from wdsraft.pipeline.loader import convert_batch
 
 _leaves = st.one_of(
@@ -70,3 +74,48 @@ def test_decoded_text_and_json_batch_is_copied_not_walked() -> None:
     assert converted["txt"] == ["a", "b"] and converted["txt"] is not batch["txt"]
     assert converted["json"] == batch["json"] and converted["json"][0] is not batch["json"][0]
     assert isinstance(converted["cls"], torch.Tensor)
+
+
+_fields = st.dictionaries(
+    st.sampled_from(["txt", "cls", "__key__", "json", "npy", "pt", "n"]),
+    st.sampled_from(["str", "int", "float", "dict", "array", "tensor", "bytes"]),
+    min_size=1,
+)
+
+
+def _value(kind: str, n: int) -> Any:
+    return {
+        "str": f"s{n}",
+        "int": n,
+        "float": n / 2,
+        "dict": {"id": n},
+        "array": np.arange(3) + n,
+        "tensor": torch.arange(2) + n,
+        "bytes": bytes([n % 256]),
+    }[kind]
+
+
+@settings(max_examples=100, deadline=None)
+@given(fields=_fields, count=st.integers(1, 6), odd=st.sampled_from([None, "missing", "extra", "tuple"]))
+def test_batched_collates_dicts_as_webdataset_does(fields, count, odd) -> None:
+    samples: list[Any] = [{key: _value(kind, n) for key, kind in fields.items()} for n in range(count)]
+    if odd == "missing" and count > 1:
+        samples[-1].pop(next(iter(fields)))
+    elif odd == "extra":
+        samples[-1]["zzz"] = 1
+    elif odd == "tuple" and count > 1:
+        samples[-1] = tuple(samples[-1].values())
+    try:
+        expected = default_collation_fn(list(samples))
+    except AssertionError as error:
+        with pytest.raises(AssertionError, match=str(error)):
+            list(batched(count)(iter(samples)))
+        return
+    (got,) = list(batched(count)(iter(samples)))
+    assert list(got) == list(expected)  # the same keys in the same order (a set's order, as webdataset's)
+    for key, value in expected.items():
+        assert type(got[key]) is type(value)
+        if isinstance(value, (np.ndarray, torch.Tensor)):
+            assert got[key].dtype == value.dtype and (got[key] == value).all()
+        else:
+            assert got[key] == value
