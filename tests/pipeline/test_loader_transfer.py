@@ -4,6 +4,8 @@ them, however either is done."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from typing import Any
 
 import numpy as np
@@ -61,7 +63,7 @@ def _same(got: Any, expected: Any, original: Any) -> None:
 @settings(max_examples=150, deadline=None)
 @given(value=_values)
 def test_conversion_is_default_convert(value) -> None:
-    _same(convert_batch(value), default_convert(value), value)
+    _same(convert_batch([value]), default_convert([value]), [value])  # (in a list: a dict is not a batch)
     batch = {"x": value, "__key__": [value]}  # metadata fields are left alone
     converted = convert_batch(batch)
     assert converted["__key__"] is batch["__key__"]
@@ -119,3 +121,25 @@ def test_batched_collates_dicts_as_webdataset_does(fields, count, odd) -> None:
             assert got[key].dtype == value.dtype and (got[key] == value).all()
         else:
             assert got[key] == value
+
+
+_WORKER_START_PROBE = """
+import sys
+import torch.utils.data
+import wdsraft as wds
+
+class Numbers(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(range(3))
+
+assert "numpy.random" not in sys.modules, "imported before any worker started: nothing to check"
+assert sorted(wds.WebLoader(Numbers(), batch_size=None, num_workers=1)) == [0, 1, 2]
+print("numpy.random" in sys.modules)
+"""
+
+
+def test_workers_find_numpy_random_imported_when_they_start() -> None:
+    # Each worker seeds numpy.random as it starts: imported in the training process once, not in every
+    # forked worker every epoch.
+    result = subprocess.run([sys.executable, "-c", _WORKER_START_PROBE], capture_output=True, text=True, check=True)
+    assert result.stdout.split() == ["True"]
