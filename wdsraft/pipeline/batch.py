@@ -7,9 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
-from webdataset.filters import (
-    default_collation_fn,
-)
+import numpy as np
+from webdataset.filters import TorchTensor, combine_values, default_collation_fn
 
 from wdsraft.core.state import describe
 from wdsraft.pipeline.addresses import Address, pack_addresses, unpack_addresses
@@ -99,10 +98,21 @@ class batched(Curried, Stage):
     def _batches(self, ctx: Context, src: Iterator[Any], look_ahead: bool) -> Iterator[Any]:
         addresses = self._addresses
         batch: list[Any] = ctx.rematerializers[self.index](list(addresses)) if addresses else []  # type: ignore[arg-type]
-        tracker = AddressTracker(ctx)
+        batchsize = self.batchsize
+        # ``AddressTracker.address`` inline (a call less per item): an item's address is its raw item's (the
+        # stamp), its last field plus how many items from the same stamp came before it.
+        serial, sub = -1, 0
         for sample in src:
-            address = tracker.address()
-            if len(batch) >= self.batchsize:
+            base = ctx.provenance
+            if base is None:
+                address = None
+            elif ctx.serial != serial:
+                serial, sub = ctx.serial, 1
+                address = base if type(base) is tuple else (*base[:-1], base[-1])
+            else:
+                address = (*base[:-1], base[-1] + sub)
+                sub += 1
+            if len(batch) >= batchsize:
                 # As webdataset's: a full batch goes out when the item after it arrives (the same pulls from
                 # upstream, so a live RNG shared with other passes draws the same); that item is held, by address.
                 out = self._emit(ctx, batch)
@@ -116,7 +126,7 @@ class batched(Curried, Stage):
                 continue
             batch.append(sample)
             addresses.append(address)
-            if not look_ahead and len(batch) >= self.batchsize:
+            if not look_ahead and len(batch) >= batchsize:
                 # Items made by a merging stage (token chunks, batches) have no position and could not be saved
                 # if held: the batch goes out as soon as it is full.
                 out = self._emit(ctx, batch)
@@ -138,6 +148,8 @@ class batched(Curried, Stage):
         batch_format = _format_of_items(self.collation_fn, batch[0])
         if batch_format is not None:
             return batch_format.collate_batch(list(batch))
+        if self.collation_fn is default_collation_fn:
+            return _collate_dicts(batch)
         return self.collation_fn(list(batch))
 
 
@@ -243,6 +255,29 @@ def _unbatched(data: Iterator[Any]) -> Iterator[Any]:
 def _unlisted(data: Iterator[Any]) -> Iterator[Any]:
     """webdataset's ``_unlisted``, run by :class:`unlisted`. Without state."""
     yield from unlisted()(data)
+
+
+def _collate_dicts(samples: list[Any]) -> Any:
+    """webdataset's ``default_collation_fn(samples)``, the same batch (the same key order too), with fewer
+    steps for samples that are plain dicts: their keys are compared as views (webdataset builds a set per
+    sample) and a column of values that stay a list is not copied once more. Anything else, and any
+    mismatch, goes to webdataset's own function (its checks, its errors)."""
+    first = samples[0]
+    if type(first) is not dict:
+        return default_collation_fn(list(samples))
+    keys = set(first.keys())  # (built as webdataset builds it: a set's order depends on how it grew)
+    for row in samples:
+        if type(row) is not dict or row.keys() != keys:
+            return default_collation_fn(list(samples))
+    result = {}
+    for key in keys:
+        column = [row[key] for row in samples]
+        value = column[0]
+        if isinstance(value, (int, float, TorchTensor, np.ndarray)):
+            result[key] = combine_values(column)
+        else:
+            result[key] = column  # (combine_values would copy it: list(column))
+    return result
 
 
 def _after_a_merge(ctx: Context, index: int) -> bool:

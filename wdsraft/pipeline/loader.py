@@ -113,6 +113,8 @@ class CheapSnapshotLoader(StatefulDataLoader):
     next_iter_state: Any
 
     def _get_iterator(self) -> Any:
+        if self.num_workers > 0:
+            _import_before_workers_start()
         if self.num_workers == 0 or not isinstance(self.dataset, IterableDataset) or not self.in_order:
             return super()._get_iterator()
         if not _HOOKS_FOUND:
@@ -122,6 +124,13 @@ class CheapSnapshotLoader(StatefulDataLoader):
         iterator = _CheapSnapshotIter(self, self.next_iter_state)
         self.next_iter_state = None
         return iterator
+
+
+def _import_before_workers_start() -> None:
+    """Import in the training process what every DataLoader worker imports as it starts, so that forked
+    workers find it imported: the worker loop seeds ``numpy.random``, which numpy imports on first use
+    (about 8 ms of CPU in each worker, every epoch unless the workers persist). Once per process."""
+    import numpy.random  # noqa: F401
 
 
 class LoaderSource(SourceStage):
@@ -253,8 +262,34 @@ def convert_batch(batch: Any) -> Any:
             if compact is not None:
                 return compact
     if type(batch) is dict:
-        return {k: v if isinstance(k, str) and k.startswith("__") else default_convert(v) for k, v in batch.items()}
-    return default_convert(batch)
+        return {k: v if isinstance(k, str) and k.startswith("__") else _convert(v) for k, v in batch.items()}
+    return _convert(batch)
+
+
+#: Types ``default_convert`` hands back as they are (no numpy type, no container it walks).
+_LEAVES = frozenset({str, bytes, int, float, bool, complex, type(None)})
+_DICTS = {dict}
+
+
+def _convert(data: Any) -> Any:
+    """``default_convert(data)``, the same value, with plain lists and dicts of plain leaves (a batch's
+    texts, its decoded JSON) copied in C: ``default_convert`` walks them item by item (about 0.2 µs an
+    item through its type checks, 2 µs a sample here). Anything else goes to ``default_convert``."""
+    kind = type(data)
+    if kind in _LEAVES:
+        return data
+    if kind is list:
+        kinds = set(map(type, data))
+        if kinds <= _LEAVES:
+            return data.copy()  # (default_convert copies a list, then converts each item in place)
+        if kinds == _DICTS:  # (a column of decoded JSON objects: each copied here, without a call)
+            return [d.copy() if _LEAVES.issuperset(map(type, d.values())) else _convert(d) for d in data]
+        return [_convert(item) for item in data]
+    if kind is dict:
+        if _LEAVES.issuperset(map(type, data.values())):
+            return data.copy()
+        return {key: _convert(value) for key, value in data.items()}
+    return default_convert(data)
 
 
 class DieWithParent:
