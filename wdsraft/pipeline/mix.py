@@ -197,6 +197,10 @@ class RandomMix(DataPipeline):
     default); ``longest`` goes on until every dataset has run out. Checkpointable; ``seed`` (wdsraft's)
     gives the mix its own generator."""
 
+    #: How often a pipeline that reads this mix as its first stage keeps the mix's whole state (``PipelineSource``):
+    #: 40 us for two datasets, every 16 items that was 2.5 us per item.
+    nested_snapshot_every = 64
+
     def __init__(self, datasets: list[Any], probs: Any = None, longest: bool = False, seed: Any = None):
         super().__init__(_RandomSource(list(datasets), probs, longest, seed))
         self.datasets = datasets
@@ -215,6 +219,8 @@ class RandomMix(DataPipeline):
 class RoundRobin(DataPipeline):
     """webdataset's ``RoundRobin``: one item from each dataset in turn; ``longest`` goes on until every
     dataset has run out, else the mix ends with the first that does. Checkpointable."""
+
+    nested_snapshot_every = 64  # (as RandomMix's)
 
     def __init__(self, datasets: list[Any], longest: bool = False):
         super().__init__(_RoundRobinSource(list(datasets), longest))

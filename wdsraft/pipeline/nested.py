@@ -171,6 +171,8 @@ class PipelineSource(SnapshotSource):
         super().__init__()
         self.dataset = dataset
         self._iterator: Iterator[Any] | None = None
+        # A dataset whose whole state costs more (a mix: several pipelines' and an RNG) says how rarely to keep it.
+        self.snapshot_every = getattr(dataset, "nested_snapshot_every", type(self).snapshot_every)
 
     def start(self, ctx: Context, state: dict[str, Any] | None) -> None:
         pass_skip_on(self.dataset, ctx, "the pipeline's first stage")
