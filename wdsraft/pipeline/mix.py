@@ -15,6 +15,7 @@ The generator goes on from one epoch to the next, as the global one does in webd
 
 from __future__ import annotations
 
+import bisect
 import random
 from collections.abc import Iterator
 from typing import Any
@@ -121,7 +122,7 @@ class _RandomSource(MixSource):
         self.probs = None if probs is None else list(probs)
         self.seed = seed
         self._probs: list[Any] = []
-        self._cumulated = np.zeros(0)
+        self._cumulated: list[float] = []
         self._rng: random.Random | None = None  # goes on across epochs, as the global generator does
 
     def config(self) -> dict[str, Any]:
@@ -146,8 +147,9 @@ class _RandomSource(MixSource):
 
     def _set_probs(self, probs: list[Any]) -> None:
         self._probs = probs
-        # (per change, not per item; none left: the mix has ended and draws nothing)
-        self._cumulated = (np.array(probs) / np.sum(probs)).cumsum() if probs else np.zeros(0)
+        # (per change, not per item; none left: the mix has ended and draws nothing). webdataset's numpy sums,
+        # searched with bisect: np.searchsorted on a scalar cost a microsecond per item, bisect_left is its rule
+        self._cumulated = (np.array(probs) / np.sum(probs)).cumsum().tolist() if probs else []
 
     def mix_state(self) -> dict[str, Any]:
         assert self._rng is not None
@@ -158,7 +160,7 @@ class _RandomSource(MixSource):
         draw = self._rng.random()
         if self.seed is None:
             random.random()  # the global generator advances as under webdataset
-        return int(np.searchsorted(self._cumulated, draw))
+        return bisect.bisect_left(self._cumulated, draw)
 
     def exhausted(self, position: int) -> None:
         self._set_probs(self._probs[:position] + self._probs[position + 1 :])
@@ -195,6 +197,10 @@ class RandomMix(DataPipeline):
     default); ``longest`` goes on until every dataset has run out. Checkpointable; ``seed`` (wdsraft's)
     gives the mix its own generator."""
 
+    #: How often a pipeline that reads this mix as its first stage keeps the mix's whole state (``PipelineSource``):
+    #: 40 us for two datasets, every 16 items that was 2.5 us per item.
+    nested_snapshot_every = 64
+
     def __init__(self, datasets: list[Any], probs: Any = None, longest: bool = False, seed: Any = None):
         super().__init__(_RandomSource(list(datasets), probs, longest, seed))
         self.datasets = datasets
@@ -213,6 +219,8 @@ class RandomMix(DataPipeline):
 class RoundRobin(DataPipeline):
     """webdataset's ``RoundRobin``: one item from each dataset in turn; ``longest`` goes on until every
     dataset has run out, else the mix ends with the first that does. Checkpointable."""
+
+    nested_snapshot_every = 64  # (as RandomMix's)
 
     def __init__(self, datasets: list[Any], longest: bool = False):
         super().__init__(_RoundRobinSource(list(datasets), longest))

@@ -35,6 +35,7 @@ class SnapshotSource(SourceStage):
         self._snapshots: dict[int, dict[str, Any]] = {}
         self._replayed: dict[int, Any] = {}
         self._fetched = 0
+        self._prune_at = 64
 
     # -- what a kind of source decides -----------------------------------------------------------------
 
@@ -69,25 +70,34 @@ class SnapshotSource(SourceStage):
         return self._items(ctx)
 
     def _items(self, ctx: Context) -> Iterator[Any]:
-        # Snapshots are needed only to re-read items that stages after this one hold.
-        keep = any(isinstance(stage, Stage) and stage.holds_items for stage in ctx.stages[self.index + 1 :])
-        next_snapshot = self._fetched if keep else -1
-        fetch = self.fetch
-        prune_at = 64  # (doubled past what a pruning keeps: a buffer spanning many snapshots is walked rarely)
+        next_snapshot = self._first_snapshot(ctx)
+        fetch, serials = self.fetch, ctx.serials
         while True:
-            if self._fetched == next_snapshot:
-                if len(self._snapshots) >= prune_at:
-                    self._prune(ctx)
-                    prune_at = max(64, 2 * len(self._snapshots))
-                self._snapshots[self._fetched] = self._quiet_state()
-                next_snapshot += self.snapshot_every
+            fetched = self._fetched
+            if fetched == next_snapshot:
+                next_snapshot = self._snapshot(ctx)
             item = fetch()
             if item is END:
                 return
-            serial = self._fetched
-            self._fetched = serial + 1
-            ctx.stamp((serial, 0))
+            self._fetched = fetched + 1
+            ctx.provenance, ctx.serial = (fetched, 0), next(serials)  # (ctx.stamp, inline)
             yield item
+
+    def _first_snapshot(self, ctx: Context) -> int:
+        """Where ``_items`` keeps its first snapshot: before the next item, or never (-1) where no stage after
+        this one holds items (snapshots are needed only to re-read items that stages after this one hold)."""
+        self._prune_at = 64  # (doubled past what a pruning keeps: a buffer spanning many snapshots is walked rarely)
+        keep = any(isinstance(stage, Stage) and stage.holds_items for stage in ctx.stages[self.index + 1 :])
+        return self._fetched if keep else -1
+
+    def _snapshot(self, ctx: Context) -> int:
+        """Keep the whole state before the next item (pruning the old ones now and then); returns where the
+        next snapshot is due."""
+        if len(self._snapshots) >= self._prune_at:
+            self._prune(ctx)
+            self._prune_at = max(64, 2 * len(self._snapshots))
+        self._snapshots[self._fetched] = self._quiet_state()
+        return self._fetched + self.snapshot_every
 
     def _prune(self, ctx: Context) -> None:
         """Drop the snapshots (and re-fetched items) older than the newest one a restore could still need."""
@@ -161,6 +171,8 @@ class PipelineSource(SnapshotSource):
         super().__init__()
         self.dataset = dataset
         self._iterator: Iterator[Any] | None = None
+        # A dataset whose whole state costs more (a mix: several pipelines' and an RNG) says how rarely to keep it.
+        self.snapshot_every = getattr(dataset, "nested_snapshot_every", type(self).snapshot_every)
 
     def start(self, ctx: Context, state: dict[str, Any] | None) -> None:
         pass_skip_on(self.dataset, ctx, "the pipeline's first stage")

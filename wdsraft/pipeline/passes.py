@@ -5,7 +5,9 @@
 from __future__ import annotations
 
 import copy
+import hashlib
 import logging
+import weakref
 from collections.abc import Callable, Iterator
 from itertools import chain, islice
 from typing import TYPE_CHECKING, Any
@@ -219,7 +221,10 @@ class _Iteration:
         self.window_closed = False  # restored right after the last item of a with_epoch window
         # The configuration cannot change during an iteration: describe it once, not at every state_dict().
         self.config = config_text({**pipeline.config(), "worker": list(info)})
-        self.fingerprint = pipeline.fingerprint(info)
+        self.fingerprint = _fingerprint(pipeline, info, self.config)
+        # Counted by the consumer of the pass's own items (``counted_by``): items it took, and the counters then.
+        self._taken: Callable[[], int] | None = None
+        self._taken_base = (0, 0)
 
     @property
     def epoch(self) -> int:
@@ -243,24 +248,13 @@ class _Iteration:
             pipeline.epoch = self.epoch
             self.window_closed = True
         while self.repetition < pipeline.repetitions and not (limit is not None and self.yielded >= limit):
-            pipeline.epoch = self.epoch
-            ctx = Context(self.epoch, self.info)
-            if pipeline._skip is not None and pipeline._skip[0] == self.epoch:
-                ctx.skip = pipeline._skip[1]
-            self.current = _Pass(pipeline, ctx, self.stage_states)
-            if self.stage_states is not None and self.pass_count > 0 and not self.current.resumes_mid_pass():
-                raise StateMismatchError(
-                    f"cannot resume this pipeline {self.pass_count} items into epoch {self.epoch}: it has no "
-                    "wdsraft source stage (tarfile_to_samples, as in WebDataset) to seek back to where it was, so "
-                    "it would start the epoch again and deliver those items twice; read shards with "
-                    "wds.tarfile_to_samples(), or resume from a state taken at an epoch's end"
-                )
-            self.stage_states = None
+            current = self._next_pass()
+            ctx = self._begin_pass(current)
             window_full = False
             # Plain functions right before the output: count what goes out of the current raw item
             # (``PartialTracker.seen`` written inline: a method call per item is the cost the read path avoids).
-            tracker = self.current.tracker if self.current.boundary == len(self.current.stages) else None
-            for item in _pulled_as(ctx, self.current.iterator()):
+            tracker = current.tracker if current.boundary == len(current.stages) else None
+            for item in _pulled_as(ctx, current.iterator()):
                 self.yielded += 1
                 self.pass_count += 1
                 if tracker is not None:
@@ -276,19 +270,77 @@ class _Iteration:
                     break
             if window_full:
                 break
-            # As webdataset: a pass without data ends the repetitions (but not a continued pass whose data
-            # was all consumed before).
-            empty = self.pass_count == 0 and not self.may_start_empty
-            self.may_start_empty = False
-            self.repetition += 1
-            self.pass_count = 0
-            self.current = None
-            if empty:
+            if self._end_pass():
                 break
         self.finished = True
 
+    def _next_pass(self) -> _Pass:
+        """The pass that comes next (built, not begun: no stage has run)."""
+        self.pipeline.epoch = self.epoch
+        ctx = Context(self.epoch, self.info)
+        if self.pipeline._skip is not None and self.pipeline._skip[0] == self.epoch:
+            ctx.skip = self.pipeline._skip[1]
+        return _Pass(self.pipeline, ctx, self.stage_states)
+
+    def _begin_pass(self, current: _Pass) -> Context:
+        if self.stage_states is not None and self.pass_count > 0 and not current.resumes_mid_pass():
+            raise StateMismatchError(
+                f"cannot resume this pipeline {self.pass_count} items into epoch {self.epoch}: it has no "
+                "wdsraft source stage (tarfile_to_samples, as in WebDataset) to seek back to where it was, so "
+                "it would start the epoch again and deliver those items twice; read shards with "
+                "wds.tarfile_to_samples(), or resume from a state taken at an epoch's end"
+            )
+        self.current = current
+        self.stage_states = None
+        return current.ctx
+
+    def _end_pass(self) -> bool:
+        """Count the pass that ended; whether it ends the repetitions too (as webdataset: a pass without
+        data does, but not a continued pass whose data was all consumed before)."""
+        empty = self.pass_count == 0 and not self.may_start_empty
+        self.may_start_empty = False
+        self.repetition += 1
+        self.pass_count = 0
+        self.current = None
+        return empty
+
+    def counted_by(self, taken: Callable[[], int]) -> Iterator[Any] | None:
+        """The items of this (not yet begun) iteration for a consumer that counts what it takes (``taken()``:
+        how many items it took from the iterator returned): the pass's own iterator, with no generator of this
+        iteration between (a mixture's sources: a microsecond per item less). The counters of the iteration's
+        states come from ``taken()`` when a state is taken. None where the iteration must see every item (more
+        than one pass, a ``with_epoch`` window, plain functions right before the output): iterate it as usual."""
+        if self.pipeline.repetitions != 1 or self.repetition != 0 or self.current is not None or self.finished:
+            return None
+        current = self._next_pass()
+        if current.tracker is not None and current.boundary == len(current.stages):
+            return None  # (its count of what goes out of the current raw item runs at every item)
+        ctx = self._begin_pass(current)
+        self._taken, self._taken_base = taken, (self.yielded, self.pass_count)
+        items = current.iterator()
+        return chain(_first_pulled(ctx, items), items, self._counted_end())
+
+    def _sync(self) -> None:
+        """The counters, from what the consumer of ``counted_by`` took."""
+        if self._taken is not None:
+            taken = self._taken()
+            self.yielded, self.pass_count = self._taken_base[0] + taken, self._taken_base[1] + taken
+
+    def _counted_end(self) -> Iterator[Any]:
+        """Run once the pass's items of ``counted_by`` ran out: the end of the iteration, as ``__iter__`` has it."""
+        self._sync()
+        self._taken = None
+        self._end_pass()
+        self.finished = True
+        try:
+            self.pipeline._last_state = self.state_dict()
+        except Exception:  # (as __iter__: a state that cannot be taken now fails loudly when asked for)
+            self.pipeline._last_state = None
+        yield from ()
+
     def state_dict(self) -> dict[str, Any]:
         pipeline = self.pipeline
+        self._sync()
         if self.finished:
             next_epoch = self.epoch + (1 if self.current is not None or self.window_closed else 0)
             return {**pipeline._initial_state(), "epoch": next_epoch, "finished": True}
@@ -306,6 +358,45 @@ class _Iteration:
             "stages": self.current.state() if self.current is not None else copy.deepcopy(self.stage_states),
             **pipeline.seed_record(),
         }
+
+
+def _fingerprint(pipeline: DataPipeline, info: WorkerInfo, text: str) -> str:
+    """``pipeline.fingerprint(info)``: the hash of ``text``, its configuration described (``core.state.fingerprint``
+    hashes that very text), rather than describing it again (a mixture's describes all its sources')."""
+    from wdsraft.pipeline.datapipeline import DataPipeline  # (that module imports this one)
+
+    if type(pipeline).fingerprint is not DataPipeline.fingerprint:
+        return pipeline.fingerprint(info)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def counted_items(dataset: Any, taken: Callable[[], int]) -> Iterator[Any]:
+    """``iter(dataset)``; for a wdsraft pipeline iterated as ``DataPipeline`` does, its pass's own items
+    (``_Iteration.counted_by``), whose states count what ``taken()`` says the caller took."""
+    iterator = iter(dataset)
+    live = getattr(dataset, "_live", None)
+    iteration = live() if isinstance(live, weakref.ref) else None
+    if isinstance(iteration, _Iteration) and iteration.pipeline is dataset and _iterates_plainly(type(dataset)):
+        return iteration.counted_by(taken) or iterator  # (the generator iter() made, never started, goes)
+    return iterator
+
+
+def _iterates_plainly(kind: Any) -> bool:
+    """Whether ``iter()`` of a pipeline of this class is its ``_Iteration`` as it is (no subclass wraps it)."""
+    from wdsraft.pipeline.datapipeline import DataPipeline  # (that module imports this one)
+
+    return kind.__iter__ is DataPipeline.__iter__ and kind.iterator is DataPipeline.iterator
+
+
+def _first_pulled(ctx: Context, items: Iterator[Any]) -> Iterator[Any]:
+    """The first of ``items``, pulled with ``ctx`` the active pass (as ``_pulled_as`` does), and no more."""
+    previous = set_active_context(ctx)
+    try:
+        first = next(items, _NOTHING)
+    finally:
+        set_active_context(previous)
+    if first is not _NOTHING:
+        yield first
 
 
 def _pulled_as(ctx: Context, items: Iterator[Any]) -> Iterator[Any]:
