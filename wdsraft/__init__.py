@@ -36,7 +36,16 @@ from webdataset.utils import PipelineStage, repeatedly
 from webdataset.writer import numpy_dumps, torch_dumps
 
 from wdsraft import autodecode, cache, extradatasets, handlers, llm, mix, pytorch, typecheck  # noqa: F401 - submodules
-from wdsraft.compat import FluidInterface, FluidWrapper, WebDataset, WebLoader
+from wdsraft.compat import (
+    ConcatenatedDatasets,
+    FluidInterface,
+    FluidWrapper,
+    InterleavedDatasets,
+    WebDataset,
+    WebLoader,
+    concat_datasets,
+    interleave_datasets,
+)
 from wdsraft.core import distributed  # noqa: F401 - submodule, as before the move
 from wdsraft.core.errors import (
     IndexFormatError,
@@ -93,9 +102,9 @@ from wdsraft.pipeline import DataPipeline, Stage
 # the LLM dataset toolbox (epochraft's names), checkpointable; ``wds.cache`` stays webdataset's module, and
 # ``enumerate`` is left out of __all__ (a star import would hide the builtin)
 from wdsraft.pipeline.caching import cache as cache_samples
-from wdsraft.pipeline.concat import ConcatDatasets, concat_datasets
+from wdsraft.pipeline.concat import ConcatDatasets
 from wdsraft.pipeline.ends import EvenEnds, even_ends, until_all_ranks_end
-from wdsraft.pipeline.interleave import Interleave, interleave_datasets
+from wdsraft.pipeline.interleave import Interleave
 from wdsraft.pipeline.parallel import parallel_filter_map, parallel_map
 from wdsraft.pipeline.toolbox import enumerate, stride, take  # noqa: F401 - enumerate: see above
 from wdsraft.shardlists import (
@@ -118,6 +127,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Cached",
     "ConcatDatasets",
+    "ConcatenatedDatasets",
     "ConsumedSet",
     "Continue",
     "DataPipeline",
@@ -129,6 +139,7 @@ __all__ = [
     "FluidWrapper",
     "IndexFormatError",
     "Interleave",
+    "InterleavedDatasets",
     "LMDBCached",
     "LRUCleanup",
     "Ledger",

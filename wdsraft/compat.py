@@ -24,7 +24,7 @@ from webdataset.handlers import reraise_exception
 
 from wdsraft import filters, llm
 from wdsraft.core.state import describe
-from wdsraft.pipeline import caching, parallel, toolbox
+from wdsraft.pipeline import caching, concat, interleave, parallel, toolbox
 from wdsraft.pipeline.datapipeline import DataPipeline
 from wdsraft.pipeline.decode import DecodeStage
 from wdsraft.pipeline.ends import EvenEnds
@@ -32,7 +32,17 @@ from wdsraft.pipeline.loader import CheapSnapshotLoader, DieWithParent, LoaderSo
 from wdsraft.pipeline.shardlists import ResampledShards, SimpleShardList, single_node_only, split_by_worker
 from wdsraft.pipeline.source import TarfileToSamples
 
-__all__ = ["FluidInterface", "FluidWrapper", "WebDataset", "WebLoader", "check_empty"]
+__all__ = [
+    "ConcatenatedDatasets",
+    "FluidInterface",
+    "FluidWrapper",
+    "InterleavedDatasets",
+    "WebDataset",
+    "WebLoader",
+    "check_empty",
+    "concat_datasets",
+    "interleave_datasets",
+]
 
 
 class FluidInterface(WebdatasetFluidInterface):
@@ -259,6 +269,28 @@ class FluidWrapper(DataPipeline, FluidInterface):
     def __init__(self, initial: Any):
         super().__init__()
         self.append(initial)
+
+
+class InterleavedDatasets(interleave.Interleave, FluidInterface):
+    """What :func:`interleave_datasets` returns: the mixture, with the fluent stages
+    (``.shuffle()``, ``.tokenize()``, ``.batched()``...) that run on the mixed stream."""
+
+
+class ConcatenatedDatasets(concat.ConcatDatasets, FluidInterface):
+    """What :func:`concat_datasets` returns: the datasets one after another, with the fluent stages."""
+
+
+def interleave_datasets(datasets: Any, weights: Any = None, **options: Any) -> InterleavedDatasets:
+    mixture = interleave.interleave_datasets(datasets, weights, **options)
+    return InterleavedDatasets(mixture.pipeline[0])
+
+
+def concat_datasets(datasets: Any) -> ConcatenatedDatasets:
+    return ConcatenatedDatasets(datasets)
+
+
+interleave_datasets.__doc__ = interleave.interleave_datasets.__doc__
+concat_datasets.__doc__ = concat.concat_datasets.__doc__
 
 
 _WORKER_INIT_FN_POSITION = list(inspect.signature(StatefulDataLoader).parameters).index("worker_init_fn")

@@ -236,3 +236,26 @@ def test_a_buffer_spanning_many_snapshots_is_walked_rarely(sources, monkeypatch)
     calls.clear()
     assert len([identity(item) for item in make()]) == len(stream) > 100
     assert 0 < len(calls) <= 6, len(calls)
+
+
+def test_fluent_stages_on_a_mixture_and_a_concatenation(sources) -> None:
+    """epochraft's chains (``interleave_datasets(...).shuffle(n).batched(b)``) work on what the factories
+    return, resume at every step, and make the stream the explicit pipeline makes."""
+
+    def mixed():
+        return (
+            wds.interleave_datasets(_datasets(sources, shuffled=True), [5, 3, 2], seed=4).shuffle(7, seed=2).batched(3)
+        )
+
+    def concatenated():
+        return wds.concat_datasets(_datasets(sources, shuffled=True)).shuffle(7, seed=2).batched(3)
+
+    explicit = wds.DataPipeline(
+        wds.interleave_datasets(_datasets(sources, shuffled=True), [5, 3, 2], seed=4),
+        wds.shuffle(7, seed=2),
+        wds.batched(3),
+    )
+    assert [identity(batch) for batch in mixed()] == [identity(batch) for batch in explicit]
+    assert isinstance(mixed(), wds.Interleave) and isinstance(concatenated(), wds.ConcatDatasets)
+    for make in (mixed, concatenated):
+        assert len(assert_resumes_everywhere(make, same_shape=False)) > 10
