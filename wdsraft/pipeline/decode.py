@@ -166,7 +166,7 @@ class DecodeStage(webdataset_filters.FilterFunction):
                 # The short way, inline (a call per sample was a good part of the cost): a sample of a shape seen
                 # before whose fields all have a direct function is copied, those fields replaced.
                 shape = tuple(sample)
-                plan = shapes.get(shape, False)
+                plan: Any = shapes.get(shape, False)  # (False: not planned yet; None: no short way)
                 if plan is False:
                     plan = shape_plan(shape)
                 if plan is not None:
