@@ -135,34 +135,36 @@ class TarMemberReader:
             unchained = self._chain_start is None  # (no extended header waits for its member)
             try:
                 while end - pos >= BLOCK:
-                    # The common member, read without slicing its header: a regular file ('0') with an
-                    # 11-digit octal size, no extended header before it. Anything else: the general path.
-                    if buf[pos + 156] == 48 and buf[pos + 135] == 0 and unchained:
-                        try:
-                            size = int(buf[pos + 124 : pos + 135], 8) if buf[pos + 124] < 0x80 else -1
-                        except ValueError:
-                            size = -1
-                        if size >= 0:
-                            data_start = pos + BLOCK
-                            next_header = data_start + ((size + BLOCK - 1) & ~(BLOCK - 1))
-                            if next_header > end:
-                                break  # straddles the buffer: handled below, on its own
-                            headers.append(pos)
-                            if buf[pos + 345]:  # (a ustar prefix, perhaps)
-                                name = _fast_name(buf, pos)
-                            else:
-                                cut = buf.find(b"\0", pos, pos + 100)
-                                name = buf[pos : cut if cut >= 0 else pos + 100].decode("utf-8", "surrogateescape")
-                            data = buf[data_start : data_start + size]
-                            batch.append((name, base + pos, data) if plain else TarMember(name, base + pos, data))
-                            pos = next_header
-                            ends.append(pos)
-                            continue
+                    # The size field in its common layout (11 octal digits, then NUL), read for every header
+                    # here and only here; None: another layout (or none), for _size to parse.
+                    try:
+                        quick = int(buf[pos + 124 : pos + 135], 8) if buf[pos + 135] == 0 else None
+                    except ValueError:  # (a base-256 field's high byte too: not ASCII)
+                        quick = None
+                    # The common member, read without slicing its header: a regular file ('0') with such a
+                    # size, no extended header before it. Anything else: the general path.
+                    if unchained and buf[pos + 156] == 48 and quick is not None and quick >= 0:
+                        size = quick
+                        data_start = pos + BLOCK
+                        next_header = data_start + ((size + BLOCK - 1) & ~(BLOCK - 1))
+                        if next_header > end:
+                            break  # straddles the buffer: handled below, on its own
+                        headers.append(pos)
+                        if buf[pos + 345]:  # (a ustar prefix, perhaps)
+                            name = _ustar_name(buf, pos)
+                        else:
+                            cut = buf.find(b"\0", pos, pos + 100)
+                            name = buf[pos : cut if cut >= 0 else pos + 100].decode("utf-8", "surrogateescape")
+                        data = buf[data_start : data_start + size]
+                        batch.append((name, base + pos, data) if plain else TarMember(name, base + pos, data))
+                        pos = next_header
+                        ends.append(pos)
+                        continue
                     header = buf[pos : pos + BLOCK]
                     if header == _ZERO_BLOCK:
                         ended = True
                         break
-                    size = self._size(header, base + pos)
+                    size = self._size(header, base + pos, quick)
                     data_start = pos + BLOCK
                     next_header = data_start + _padded(size)
                     if next_header > len(buf):
@@ -204,7 +206,7 @@ class TarMemberReader:
             offset = base + pos
             if not header_checksum_ok(header):
                 raise TarFormatError(url, offset, "bad header checksum (corrupt or not a tar archive)")
-            size = self._size(header, offset)
+            # (`size`: this header's, from the loop above, which stopped at it)
             available = len(buf) - pos - BLOCK
             if available >= size:
                 data = buf[pos + BLOCK : pos + BLOCK + size]
@@ -227,15 +229,14 @@ class TarMemberReader:
                 self.end_offset = base
                 yield [member]
 
-    def _size(self, header: bytes, offset: int) -> int:
+    def _size(self, header: bytes, offset: int, quick: int | None) -> int:
+        """The member size of ``header``: a PAX record's, else ``quick`` (the field read in the common
+        layout: 11 octal digits, NUL), else the field read in any layout."""
         if self._pending_size is not None and header[156:157] not in (_PAX_LOCAL, _GNU_LONGNAME, _GNU_LONGLINK):
             return self._pending_size
+        if quick is not None:
+            return quick
         field = header[124:136]
-        if field[11] == 0 and field[0] < 0x80:
-            try:
-                return int(field[:11], 8)  # the common ustar/GNU/tarfile layout: 11 octal digits, NUL
-            except ValueError:
-                pass
         try:
             size = parse_number(field)
         except ValueError:
@@ -249,7 +250,7 @@ class TarMemberReader:
         typeflag = header[156:157]
         chain_start = self._chain_start if self._chain_start is not None else offset
         if typeflag in _REGULAR_TYPES:
-            name = self._pending_name if self._pending_name is not None else self._ustar_name(header)
+            name = self._pending_name if self._pending_name is not None else _ustar_name(header, 0)
             member: TarMember | None = TarMember(name, chain_start, data)
         elif typeflag == _PAX_LOCAL:
             records = parse_pax_records(data, self.url, offset)
@@ -287,16 +288,10 @@ class TarMemberReader:
         self._chain_start = None
         return member
 
-    @staticmethod
-    def _ustar_name(header: bytes) -> str:
-        name = _cstring(header[0:100])
-        if header[345] and header[257:263] == b"ustar\x00":  # POSIX ustar: prefix holds leading directories
-            name = _cstring(header[345:500]) + b"/" + name
-        return _decode_name(name)
 
-
-def _fast_name(buf: bytes, pos: int) -> str:
-    """The name of the ustar header at ``pos`` in ``buf`` (``_ustar_name`` without slicing the header)."""
+def _ustar_name(buf: bytes, pos: int) -> str:
+    """The name of the ustar header at ``pos`` in ``buf`` (read without slicing the header; the hot loop has
+    the common case, a name without prefix, inline)."""
     cut = buf.find(b"\0", pos, pos + 100)
     name = buf[pos : cut if cut >= 0 else pos + 100]
     if buf[pos + 345] and buf[pos + 257 : pos + 263] == b"ustar\x00":  # POSIX ustar: prefix holds directories
