@@ -167,14 +167,19 @@ class ShardSampleReader:
             for name, offset, data in _members(members):
                 if (name[:2] == "__" or not meta_prefix_only) and self._is_meta(name):
                     continue
-                # split_key, inline for the common name (a basename not starting with a dot)
-                slash = name.rfind("/")
-                dot = name.find(".", slash + 1)
+                # split_key, inline for the common name (no directory, not starting with a dot)
                 raw_prefix: str | None
-                if dot > slash + 1:
-                    raw_prefix, extension = name[:dot], name[dot + 1 :]
+                if "/" not in name:
+                    raw_prefix, dot, extension = name.partition(".")
+                    if not (dot and raw_prefix):
+                        raw_prefix, extension = split_key(name)
                 else:
-                    raw_prefix, extension = split_key(name)
+                    slash = name.rfind("/")
+                    dot_at = name.find(".", slash + 1)
+                    if dot_at > slash + 1:
+                        raw_prefix, extension = name[:dot_at], name[dot_at + 1 :]
+                    else:
+                        raw_prefix, extension = split_key(name)
                 if raw_prefix is None:  # no key as written: if a rename gives it one, its sample starts here
                     group_offset = offset
                 elif raw_prefix != raw_key:
