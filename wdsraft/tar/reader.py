@@ -143,7 +143,8 @@ class ShardSampleReader:
     ) -> Iterator[dict[str, Any]]:
         url = self.url
         rename, select = self.rename_files, self.select_files
-        # The default pattern only matches names starting with "__": test that first, it is the hot loop.
+        # The default pattern only matches names starting with "__": a one-character test first (a cached
+        # string, no new one), it is the hot loop.
         meta_prefix_only = self.skip_meta is None or self.skip_meta.pattern == DEFAULT_SKIP_META
         ordinal = self.next_ordinal - 1
         raw_key: str | None = None  # the key before renaming: ordinals follow the shard as written
@@ -165,7 +166,7 @@ class ShardSampleReader:
         current_offset = -1
         try:
             for name, offset, data in _members(members):
-                if (name[:2] == "__" or not meta_prefix_only) and self._is_meta(name):
+                if (name[:1] == "_" or not meta_prefix_only) and self._is_meta(name):
                     continue
                 # split_key, inline for the common name (no directory, not starting with a dot)
                 raw_prefix: str | None
