@@ -10,7 +10,9 @@ Three levels, each over every shard given (warm page cache, one process):
 
 Each measurement runs in a fresh Python process with ``PYTHONPATH`` set to its tree (the current
 checkout is ``--tree after=.`` by default): one warm-up epoch, then the median CPU time
-(``time.process_time``) of five epochs, divided by the samples. The trees alternate within each
+(``time.process_time``) of five epochs, divided by the samples, and the process's minor page
+faults per epoch (fresh pages the C allocator maps in: they cost CPU, and a process may take
+none or thousands for the same work, depending on the allocator's history). The trees alternate within each
 round, their order reversed every other round; reported are the medians over ``--rounds`` rounds.
 CPU time rather than wall time, because the machines these figures come from are shared: CPU time
 moves much less with the other work on the cores (it still grows somewhat with it).
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -32,8 +35,9 @@ LEVELS = ("tarfile_samples", "WebDataset", "WebDataset.decode()")
 REPOSITORY = Path(__file__).resolve().parent.parent
 
 
-def measure(level: str, pattern: str) -> float:
-    """CPU microseconds per sample of ``level`` over the shards (run inside the child process)."""
+def measure(level: str, pattern: str) -> tuple[float, float]:
+    """CPU microseconds per sample of ``level`` over the shards, and page faults per epoch (run inside the
+    child process)."""
     warnings.filterwarnings("ignore")
     import wdsraft
 
@@ -50,16 +54,18 @@ def measure(level: str, pattern: str) -> float:
 
     epoch()
     times = []
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(5):
         start = time.process_time()
         count = epoch()
         times.append(time.process_time() - start)
-    return statistics.median(times) / count * 1e6
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    return statistics.median(times) / count * 1e6, faults / 5
 
 
 def main() -> None:
     if sys.argv[1:2] == ["--child"]:
-        print(measure(sys.argv[2], sys.argv[3]))
+        print(*measure(sys.argv[2], sys.argv[3]))
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shards", required=True, help="a glob of local shards (e.g. from wdsraft convert)")
@@ -71,6 +77,7 @@ def main() -> None:
     trees = dict(tree.split("=", 1) for tree in args.tree) or {"after": str(REPOSITORY)}
     print(f"shards: {args.shards} ({len(glob.glob(args.shards))} files); load average before: {_load()}")
     results: dict[tuple[str, str], list[float]] = {(level, name): [] for level in LEVELS for name in trees}
+    faults: dict[tuple[str, str], list[float]] = {(level, name): [] for level in LEVELS for name in trees}
     for number in range(args.rounds):
         for level in LEVELS:
             names = list(trees) if number % 2 == 0 else list(trees)[::-1]
@@ -83,13 +90,18 @@ def main() -> None:
                     capture_output=True,
                     text=True,
                 )
-                results[(level, name)].append(float(output.stdout))
+                cpu, page_faults = output.stdout.split()
+                results[(level, name)].append(float(cpu))
+                faults[(level, name)].append(float(page_faults))
     print(f"\n| level | {' | '.join(trees)} |")
     print(f"|---|{'---:|' * len(trees)}")
     for level in LEVELS:
-        cells = [f"{statistics.median(results[(level, name)]):.2f} us" for name in trees]
+        cells = [
+            f"{statistics.median(results[(level, name)]):.2f} us ({statistics.median(faults[(level, name)]):,.0f})"
+            for name in trees
+        ]
         print(f"| {level} | {' | '.join(cells)} |")
-    print(f"\nCPU per sample, median of {args.rounds} rounds; load average after: {_load()}")
+    print(f"\nCPU per sample (page faults per epoch), medians of {args.rounds} rounds; load average after: {_load()}")
 
 
 def _load() -> str:

@@ -64,8 +64,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "name hands out a sample under a wrong key",
         "            if not header_checksum_ok(header):\n"
         '                raise TarFormatError(url, offset, "bad header checksum (corrupt or not a tar archive)")\n'
-        "            size = self._size(header, offset)\n",
-        "            size = self._size(header, offset)\n",
+        "            # (`size`: this header's, from the loop above, which stopped at it)\n",
+        "            # (`size`: this header's, from the loop above, which stopped at it)\n",
         ("tests/tar/test_integrity_proofs.py",),
     ),
     Mutation(

@@ -226,6 +226,29 @@ def test_bad_json_fails_with_jsons_own_error(text: bytes) -> None:
     assert errors[0] == errors[1]
 
 
+def test_the_short_way_is_judged_sample_by_sample_as_webdatasets() -> None:
+    """A shape seen before takes the short way only when this sample's values allow it; samples without a
+    ``__key__`` (the result gets one, None), of one field or none, go as in webdataset."""
+    samples = [
+        {"__key__": "a", "txt": b"x", "cls": b"1"},
+        {"__key__": "b", "txt": "already text", "cls": b"2"},  # the same shape, a field that is not bytes
+        {"__key__": "c", "txt": b"y", "cls": b"3", "__url__": b"u"},  # bytes in a "__" field
+        {"__key__": "c2", "txt": b"y", "cls": b"3", "__url__": "u"},  # (that shape again, no bytes there)
+        {"__key__": "d", "txt": b"z", "cls": b"4"},
+        {"txt": b"no key"},
+        {"txt": b"no key again"},
+        {"__url__": "u"},
+        {"bin": b"\x00"},
+        {},
+        {"__key__": "e", "json": b"null"},
+    ]
+    for options in ({"partial": True}, {"handler": webdataset.handlers.ignore_and_continue}):
+        theirs, ours = _both(_decode(**options), samples)
+        _same(theirs, ours)
+        assert [s["__key__"] for s in ours][-6:] == [None, None, None, None, None, "e"]
+    assert ours[1]["__url__"] == "u" and ours[0]["txt"] == "x" and len(ours) == len(samples) - 1
+
+
 def _both_lazily(build: Any, samples: list[dict[str, Any]], side: int) -> list[Any]:
     """One side of ``_both`` (webdataset's: 0, wdsraft's: 1), so that each side's error is caught on its own."""
     stage = build(webdataset.filters)

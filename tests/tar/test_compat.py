@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import io
 import os
 import shutil
 import subprocess
@@ -273,3 +274,24 @@ def test_tar_file_iterator_reads_compressed_streams_like_webdataset(tmp_path: Pa
         theirs = [(m["fname"], m["data"]) for m in webdataset.tariterators.tar_file_iterator(theirs_file)]
         ours = [(m["fname"], m["data"]) for m in wdsraft.tariterators.tar_file_iterator(ours_file)]
     assert ours == theirs == [("a.txt", b"x"), ("b.txt", b"x")]
+
+
+def test_odd_member_names_group_as_webdataset_groups_them(tmp_path: Path) -> None:
+    """Keys and extensions of names with and without directories, dots where the inline split must hand over to
+    ``split_key``: no dot, a leading dot, an empty extension, several dots, dots in directory names; and names
+    starting with underscores, metadata (skipped) or not."""
+    names = [
+        "README", "a.txt", "a.JSON", "a.", "a.b.c", ".hidden", "..x", "x..y", "x..z", "d.e/f.txt", "d.e/f.cls",
+        "d.e/g", "dir/.h.txt", "./k.txt", "./k.json", "k.txt", "s/t/u.v.w", "s/t/u.x", "ü.txt", "ü.json",
+        "__meta__", "_u.txt", "__v__/w.txt", "_x_.txt", "__y.txt",
+    ]  # fmt: skip
+    url = str(tmp_path / "names.tar")
+    with tarfile.open(url, "w", format=tarfile.USTAR_FORMAT) as archive:
+        for number, name in enumerate(names):
+            info = tarfile.TarInfo(name)
+            payload = f"{number}:{name}".encode()
+            info.size = len(payload)
+            archive.addfile(info, io.BytesIO(payload))
+    ours, theirs = read_wdsraft([url]), read_webdataset([url])
+    assert without_positions(ours) == theirs
+    assert [s["__key__"] for s in theirs] == ["a", "x", "d.e/f", "dir/", "./k", "k", "s/t/u", "ü", "_u", "_x_", "__y"]

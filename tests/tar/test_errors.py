@@ -246,6 +246,56 @@ def test_absurd_sizes_are_format_errors(tmp_path: Path, good_shard, size_field: 
         assert caught.value.offset == 0
 
 
+@pytest.mark.parametrize(
+    "size_field",
+    [b"%011o\0" % 700, b"  %09o\0" % 700, b"%011o " % 700, b"%012o" % 700, b"\x80" + (700).to_bytes(11, "big")],
+    ids=["octal-nul", "leading-spaces", "octal-space", "12-digits", "base-256"],
+)
+def test_every_size_field_layout_reads_as_tarfile_reads_it(tmp_path: Path, size_field: bytes) -> None:
+    """The size field is parsed in one place (the common layout inline, the others by ``parse_number``): every
+    layout a writer may use gives tarfile's member, whether it lies in the read block or runs past it."""
+    import tarfile as _tarfile
+
+    payload = bytes(range(256)) * 2 + b"x" * 188  # 700 bytes
+    tail = _tarfile.TarInfo("b.txt")
+    tail.size = 3
+    body = _raw_header("a.txt", size_field) + payload + bytes(324) + tail.tobuf(_tarfile.USTAR_FORMAT) + b"abc"
+    url = _write(tmp_path, "sizes.tar", body + bytes(509) + bytes(1024))
+    with _tarfile.open(url) as archive:
+        expected = [(m.name, archive.extractfile(m).read()) for m in archive.getmembers()]  # type: ignore[union-attr]
+    assert [len(data) for _, data in expected] == [700, 3]
+    for block in (1024, 1 << 20):  # (1024: a.txt runs past the block, read on its own)
+        with open(url, "rb") as stream:
+            members = [(m.name, m.data) for m in TarMemberReader(stream, url, block_size=block)]
+        assert members == expected
+
+
+def test_a_pax_size_record_wins_over_the_members_own_size_field(tmp_path: Path) -> None:
+    """tarfile writes a member over 8 GiB with its size in a PAX record and 0 in its own size field: the
+    record is the size (here a small member written so, its field set to 0 as tarfile would)."""
+    import tarfile as _tarfile
+    from io import BytesIO
+
+    stream = BytesIO()
+    with _tarfile.open(fileobj=stream, mode="w", format=_tarfile.PAX_FORMAT) as archive:
+        info = _tarfile.TarInfo("a.txt")
+        info.size = 700
+        info.pax_headers = {"size": "700"}
+        archive.addfile(info, BytesIO(b"y" * 700))
+    archive_bytes = bytearray(stream.getvalue())
+    records = int(archive_bytes[124:135], 8)  # the PAX header's data, then the member's own header
+    own = 512 + (records + 511) // 512 * 512
+    archive_bytes[own + 124 : own + 136] = b"%011o\0" % 0
+    archive_bytes[own + 148 : own + 156] = b" " * 8
+    archive_bytes[own + 148 : own + 155] = b"%06o\0" % sum(archive_bytes[own : own + 512])
+    url = _write(tmp_path, "pax-size.tar", bytes(archive_bytes))
+    with _tarfile.open(url) as archive:
+        assert [m.size for m in archive.getmembers()] == [700]
+    for block in (1024, 1 << 20):
+        with open(url, "rb") as source:
+            assert [(m.name, m.data) for m in TarMemberReader(source, url, block_size=block)] == [("a.txt", b"y" * 700)]
+
+
 def test_bad_pax_records_are_format_errors(tmp_path: Path) -> None:
     import tarfile as _tarfile
     from io import BytesIO

@@ -34,6 +34,8 @@ _EXTENSION = re.compile(r".*[.]")
 #: A field's plan: the index of the first handler that may answer, and, when that handler is
 #: ``basichandlers`` (or ``handle_extension``'s wrapper) known to apply, the function it would call.
 Plan = tuple[int, Callable[[bytes], Any] | None]
+#: A shape's plan (``_SampleDecoder._shape_plan``).
+ShapePlan = tuple[tuple[Any, ...], tuple[Any, ...], tuple[tuple[Any, Callable[[bytes], Any], int, bool], ...], bool]
 
 
 def _pil_importable() -> bool:
@@ -157,14 +159,59 @@ class DecodeStage(webdataset_filters.FilterFunction):
 
     @staticmethod
     def _run(src: Iterator[Any], decoder: autodecode.Decoder, handler: Handler) -> Iterator[Any]:
-        decode = _SampleDecoder(decoder).__call__
+        decoding = _SampleDecoder(decoder)
+        shapes, shape_plan, handlers = decoding.shapes, decoding._shape_plan, decoding.handlers
         for sample in src:
-            try:
-                result = decode(sample) if type(sample) is dict else decoder(sample)
-            except Exception as exn:
-                if handler(exn):
-                    continue
-                break
+            if type(sample) is dict:
+                # The short way, inline (a call per sample was a good part of the cost): a sample of a shape seen
+                # before whose fields all have a direct function is copied, those fields replaced.
+                shape = tuple(sample)
+                plan: Any = shapes.get(shape, False)  # (False: not planned yet; None: no short way)
+                if plan is False:
+                    plan = shape_plan(shape)
+                if plan is not None:
+                    meta, fields, steps, keyed = plan
+                    for k in meta:
+                        if isinstance(sample[k], bytes):
+                            break  # (bytes in a "__" field: the general way, webdataset's message and all)
+                    else:
+                        for k in fields:
+                            if type(sample[k]) is not bytes:
+                                break  # (asserts, partial=True: the general way, before any function runs)
+                        else:
+                            result = sample.copy()
+                            k = None
+                            try:
+                                for k, function, position, checked in steps:
+                                    v = result[k]
+                                    value = function(v)
+                                    if checked and (value is None or isinstance(value, autodecode.Continue)):
+                                        value = _after(handlers, position, "." + k, v, value)  # (rare)
+                                    result[k] = value
+                            except Exception as exn:
+                                try:
+                                    raise _decoding_error(sample, k) from exn
+                                except autodecode.DecodingError as error:
+                                    if handler(error):
+                                        continue
+                                    break
+                            if not keyed:
+                                result["__key__"] = None  # (webdataset's map sets the sample's, absent here)
+                            yield result
+                            continue
+                try:
+                    result = decoding._decode(sample)
+                except Exception as exn:
+                    if handler(exn):
+                        continue
+                    break
+            else:
+                try:
+                    result = decoder(sample)
+                except Exception as exn:
+                    if handler(exn):
+                        continue
+                    break
             if result is None:
                 continue
             if isinstance(sample, dict) and isinstance(result, dict):
@@ -178,14 +225,15 @@ _MAX_SHAPES = 64  # samples of more shapes than this (field names vary from samp
 
 
 class _SampleDecoder:
-    """``Decoder.decode`` for one pass, with the plans of the field names seen so far."""
+    """``Decoder.decode`` for one pass, with the plans of the field names and of the sample shapes seen so far
+    (``DecodeStage._run`` takes the short way of a shape's plan inline, ``_decode`` is the general way)."""
 
     def __init__(self, decoder: autodecode.Decoder):
         self.handlers = list(decoder.handlers)
         self.only = decoder.only
         self.partial = decoder.partial
         self.plans: dict[Any, Plan] = {}
-        self.shapes: dict[tuple[Any, ...], Any] = {}
+        self.shapes: dict[tuple[Any, ...], ShapePlan | None] = {}
         self.planner = _Planner(self.handlers)
 
     def _plan(self, k: Any) -> Plan:
@@ -195,42 +243,13 @@ class _SampleDecoder:
             return _KEPT, None
         return self.planner.plan(k)
 
-    def __call__(self, sample: dict[str, Any]) -> dict[str, Any]:
-        """The sample decoded. Samples of a shape seen before (the same field names in the same order) whose
-        fields all have a direct function take the short way: a copy with those fields replaced."""
-        shape = tuple(sample)
-        plan = self.shapes.get(shape)
-        if plan is None:
-            plan = self._shape_plan(shape)
-        if plan is False:
-            return self._decode(sample)
-        meta, fields = plan
-        result = sample.copy()
-        for k in meta:
-            if isinstance(result[k], bytes):
-                return self._decode(sample)  # (bytes in a "__" field: webdataset's own way, message and all)
-        for k, _, _ in fields:
-            if type(result[k]) is not bytes:
-                return self._decode(sample)  # (asserts, partial=True: the general way, before any function runs)
-        k = None
-        try:
-            for k, function, position in fields:
-                if function is not None:
-                    v = result[k]
-                    value = function(v)
-                    if value is None or isinstance(value, autodecode.Continue):  # rare: the walk takes over
-                        value = _after(self.handlers, position, "." + k, v, value)
-                    result[k] = value
-        except Exception as exn:
-            raise autodecode.DecodingError(
-                key=sample.get("__key__"), url=sample.get("__url__"), k=k, sample=sample
-            ) from exn
-        return result
-
-    def _shape_plan(self, shape: tuple[Any, ...]) -> Any:
-        """(the "__" fields, [(field, function or None, handler position)]) for a shape whose every field is
-        planned to a direct function or to no handler at all; False for any other (or once many shapes were seen)."""
-        plan: Any = False
+    def _shape_plan(self, shape: tuple[Any, ...]) -> ShapePlan | None:
+        """The short way's plan for a shape whose every field is planned to a direct function or to no handler
+        at all: (the "__" fields, the other fields checked, ``steps``, whether "__key__" is one of them), where
+        a step is (field, function, handler position, whether its answer may be None or a ``Continue``), for
+        the fields that have a function (the others are left as they are). None for any other shape (or
+        once many shapes were seen)."""
+        plan: ShapePlan | None = None
         if len(self.shapes) < _MAX_SHAPES:
             meta, fields = [], []
             for k in shape:
@@ -246,7 +265,8 @@ class _SampleDecoder:
                 else:
                     break  # a handler to ask: the general way
             else:
-                plan = (tuple(meta), tuple(fields))
+                steps = tuple((k, f, position, not _plain_answer(f)) for k, f, position in fields if f is not None)
+                plan = (tuple(meta), tuple(k for k, _, _ in fields), steps, "__key__" in shape)
             self.shapes[shape] = plan
         return plan
 
@@ -283,10 +303,18 @@ class _SampleDecoder:
                 else:
                     result[k] = _walk(self.handlers, position, "." + k, v)
         except Exception as exn:
-            raise autodecode.DecodingError(
-                key=sample.get("__key__"), url=sample.get("__url__"), k=k, sample=sample
-            ) from exn
+            raise _decoding_error(sample, k) from exn
         return result
+
+
+def _plain_answer(function: Callable[[bytes], Any]) -> bool:
+    """Whether ``function`` never answers None nor a ``Continue`` (no handler walk can follow it)."""
+    return function is _UTF8 or function is int
+
+
+def _decoding_error(sample: dict[str, Any], k: Any) -> autodecode.DecodingError:
+    """The error webdataset's decoder raises for field ``k`` (its cause: the handler's own error)."""
+    return autodecode.DecodingError(key=sample.get("__key__"), url=sample.get("__url__"), k=k, sample=sample)
 
 
 def _after(handlers: list[Any], position: int, key: str, data: Any, answer: Any) -> Any:

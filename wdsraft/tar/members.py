@@ -13,6 +13,8 @@ import bz2
 import gzip
 import io
 import lzma
+import mmap
+import threading
 import zlib
 from collections.abc import Iterator
 from typing import IO, Any
@@ -105,16 +107,37 @@ class TarMemberReader:
 
     def batches(self, plain: bool = False) -> Iterator[list[Any]]:
         """Lists of the members read, in order; ``plain``: as ``(name, offset, data)`` tuples (cheaper)."""
+        # A local file is read into one buffer, refilled in place (an anonymous private mmap: its slices are
+        # bytes), and handed to the next reader when this one is done; other streams give a new bytes object
+        # per read. (A new block of a megabyte per read came from fresh pages whenever the C allocator maps
+        # such sizes anew, a page fault every 4 KiB: up to a microsecond per small sample, or nothing,
+        # depending on the allocator's history.)
+        window = _take_window(max(self.block_size, BLOCK) + BLOCK) if self._seekable and _PRIVATE else None
+        try:
+            yield from self._batches(plain, window)
+        finally:
+            if window is not None:
+                _give_back(window)
+
+    def _batches(self, plain: bool, window: mmap.mmap | None) -> Iterator[list[Any]]:
         url = self.url
-        buf = b""
+        buf: Any = b""
+        filled = 0  # bytes of buf in use
         pos = 0  # position of the next header in buf; buf[0] is at archive offset `base`
         base = self.start_offset
         while True:
-            if len(buf) - pos < BLOCK:
-                buf = buf[pos:] + self._read(max(self.block_size, BLOCK), base + pos)
+            if filled - pos < BLOCK:
+                if window is not None:
+                    left = filled - pos  # (under one block: a member running past the buffer is read apart)
+                    if left:
+                        window.move(0, pos, left)
+                    buf, filled = window, left + self._read_into(window, left, base + pos)
+                else:
+                    buf = buf[pos:filled] + self._read(max(self.block_size, BLOCK), base + pos)
+                    filled = len(buf)
                 base += pos
                 pos = 0
-                if not buf:
+                if not filled:
                     if self._chain_start is not None:
                         raise TarFormatError(url, self._chain_start, "archive ends inside an extended header chain")
                     if base == 0:
@@ -122,8 +145,8 @@ class TarMemberReader:
                     # tarfile and webdataset accept this silently, but every tar writer ends with two zero
                     # blocks: a shard cut exactly between two members would otherwise lose samples unseen.
                     raise TarFormatError(url, base, "archive ends without end-of-archive blocks (truncated?)")
-                if len(buf) < BLOCK:
-                    raise TarFormatError(url, base, f"truncated header ({len(buf)} of 512 bytes)")
+                if filled < BLOCK:
+                    raise TarFormatError(url, base, f"truncated header ({filled} of 512 bytes)")
 
             # 1. Every member wholly inside the buffer, checksums checked together afterwards.
             batch: list[Any] = []  # TarMember, or with ``plain`` (name, offset, data) from the common path
@@ -131,41 +154,43 @@ class TarMemberReader:
             ends: list[int] = []  # per member: its end in buf (where the next header starts)
             failure: Exception | None = None
             ended = False
-            end = len(buf)
+            end = filled
             unchained = self._chain_start is None  # (no extended header waits for its member)
             try:
                 while end - pos >= BLOCK:
-                    # The common member, read without slicing its header: a regular file ('0') with an
-                    # 11-digit octal size, no extended header before it. Anything else: the general path.
-                    if buf[pos + 156] == 48 and buf[pos + 135] == 0 and unchained:
-                        try:
-                            size = int(buf[pos + 124 : pos + 135], 8) if buf[pos + 124] < 0x80 else -1
-                        except ValueError:
-                            size = -1
-                        if size >= 0:
-                            data_start = pos + BLOCK
-                            next_header = data_start + ((size + BLOCK - 1) & ~(BLOCK - 1))
-                            if next_header > end:
-                                break  # straddles the buffer: handled below, on its own
-                            headers.append(pos)
-                            if buf[pos + 345]:  # (a ustar prefix, perhaps)
-                                name = _fast_name(buf, pos)
-                            else:
-                                cut = buf.find(b"\0", pos, pos + 100)
-                                name = buf[pos : cut if cut >= 0 else pos + 100].decode("utf-8", "surrogateescape")
-                            data = buf[data_start : data_start + size]
-                            batch.append((name, base + pos, data) if plain else TarMember(name, base + pos, data))
-                            pos = next_header
-                            ends.append(pos)
-                            continue
+                    # The size field in its common layout (11 octal digits, then NUL), read for every header
+                    # here and only here; None: another layout (or none), for _size to parse.
+                    try:
+                        quick = int(buf[pos + 124 : pos + 135], 8) if buf[pos + 135] == 0 else None
+                    except ValueError:  # (a base-256 field's high byte too: not ASCII)
+                        quick = None
+                    # The common member, read without slicing its header: a regular file ('0') with such a
+                    # size, no extended header before it. Anything else: the general path.
+                    if unchained and buf[pos + 156] == 48 and quick is not None and quick >= 0:
+                        size = quick
+                        data_start = pos + BLOCK
+                        next_header = data_start + ((size + BLOCK - 1) & ~(BLOCK - 1))
+                        if next_header > end:
+                            break  # straddles the buffer: handled below, on its own
+                        headers.append(pos)
+                        if buf[pos + 345]:  # (a ustar prefix, perhaps)
+                            name = _ustar_name(buf, pos)
+                        else:
+                            cut = buf.find(b"\0", pos, pos + 100)
+                            name = buf[pos : cut if cut >= 0 else pos + 100].decode("utf-8", "surrogateescape")
+                        data = buf[data_start : data_start + size]
+                        batch.append((name, base + pos, data) if plain else TarMember(name, base + pos, data))
+                        pos = next_header
+                        ends.append(pos)
+                        continue
                     header = buf[pos : pos + BLOCK]
                     if header == _ZERO_BLOCK:
                         ended = True
                         break
-                    size = self._size(header, base + pos)
+                    size = self._size(header, base + pos, quick)
                     data_start = pos + BLOCK
                     next_header = data_start + _padded(size)
-                    if next_header > len(buf):
+                    if next_header > end:
                         break  # straddles the buffer: handled below, on its own
                     headers.append(pos)
                     member = self._member(header, base + pos, buf[data_start : data_start + size])
@@ -177,7 +202,7 @@ class TarMemberReader:
             except (TarFormatError, ValueError) as exn:
                 headers.append(pos)  # a parse failure may stem from a corrupt header: check it too
                 failure = exn
-            bad = _first_bad_header(buf, headers)
+            bad = _first_bad_header(buf, headers, filled)
             if bad is not None or failure is not None:
                 # A member is good when all its headers lie before the bad one: when it ends at or before it.
                 good = [i for i, member_end in enumerate(ends) if bad is None or member_end <= headers[bad]]
@@ -196,7 +221,7 @@ class TarMemberReader:
                     raise TarFormatError(url, base + pos, "end-of-archive block inside an extended header chain")
                 self.end_offset = base + pos
                 return
-            if len(buf) - pos < BLOCK:
+            if filled - pos < BLOCK:
                 continue
 
             # 2. A member running past the buffer: check its header, read the rest in one call.
@@ -204,8 +229,8 @@ class TarMemberReader:
             offset = base + pos
             if not header_checksum_ok(header):
                 raise TarFormatError(url, offset, "bad header checksum (corrupt or not a tar archive)")
-            size = self._size(header, offset)
-            available = len(buf) - pos - BLOCK
+            # (`size`: this header's, from the loop above, which stopped at it)
+            available = filled - pos - BLOCK
             if available >= size:
                 data = buf[pos + BLOCK : pos + BLOCK + size]
                 consumed = available
@@ -214,7 +239,7 @@ class TarMemberReader:
                 data = self._read(size, offset)
                 consumed = len(data)
             else:  # one read for the rest, one copy at most
-                have = buf[pos + BLOCK :]
+                have = buf[pos + BLOCK : filled]
                 data = have + self._read(size - available, offset)
                 consumed = len(data)
             if len(data) < size:
@@ -222,20 +247,40 @@ class TarMemberReader:
             consumed += len(self._read(_padded(size) - consumed))  # the padding (short only at a truncation)
             member = self._member(header, offset, data)
             base = offset + BLOCK + consumed
-            buf, pos = b"", 0
+            filled, pos = 0, 0
             if member is not None:
                 self.end_offset = base
                 yield [member]
 
-    def _size(self, header: bytes, offset: int) -> int:
+    def _read_into(self, window: mmap.mmap, start: int, offset: int) -> int:
+        """Fill ``window`` from ``start`` on (``_read`` for a local file, without a new bytes object); returns
+        how many bytes came."""
+        if self._read_error is not None:
+            raise self._read_error
+        count = 0
+        with memoryview(window) as view:
+            try:
+                while start + count < len(view):
+                    got = self.fileobj.readinto(view[start + count :])  # type: ignore[attr-defined]
+                    if not got:
+                        break
+                    count += got
+            except OSError as exn:
+                error = TarFormatError(self.url, offset, f"cannot read the stream ({type(exn).__name__}: {exn})")
+                if not count:
+                    raise error from exn
+                error.__cause__ = exn  # (raised at the next read, after the members read so far)
+                self._read_error = error
+        return count
+
+    def _size(self, header: bytes, offset: int, quick: int | None) -> int:
+        """The member size of ``header``: a PAX record's, else ``quick`` (the field read in the common
+        layout: 11 octal digits, NUL), else the field read in any layout."""
         if self._pending_size is not None and header[156:157] not in (_PAX_LOCAL, _GNU_LONGNAME, _GNU_LONGLINK):
             return self._pending_size
+        if quick is not None:
+            return quick
         field = header[124:136]
-        if field[11] == 0 and field[0] < 0x80:
-            try:
-                return int(field[:11], 8)  # the common ustar/GNU/tarfile layout: 11 octal digits, NUL
-            except ValueError:
-                pass
         try:
             size = parse_number(field)
         except ValueError:
@@ -249,7 +294,7 @@ class TarMemberReader:
         typeflag = header[156:157]
         chain_start = self._chain_start if self._chain_start is not None else offset
         if typeflag in _REGULAR_TYPES:
-            name = self._pending_name if self._pending_name is not None else self._ustar_name(header)
+            name = self._pending_name if self._pending_name is not None else _ustar_name(header, 0)
             member: TarMember | None = TarMember(name, chain_start, data)
         elif typeflag == _PAX_LOCAL:
             records = parse_pax_records(data, self.url, offset)
@@ -287,21 +332,37 @@ class TarMemberReader:
         self._chain_start = None
         return member
 
-    @staticmethod
-    def _ustar_name(header: bytes) -> str:
-        name = _cstring(header[0:100])
-        if header[345] and header[257:263] == b"ustar\x00":  # POSIX ustar: prefix holds leading directories
-            name = _cstring(header[345:500]) + b"/" + name
-        return _decode_name(name)
 
-
-def _fast_name(buf: bytes, pos: int) -> str:
-    """The name of the ustar header at ``pos`` in ``buf`` (``_ustar_name`` without slicing the header)."""
+def _ustar_name(buf: bytes, pos: int) -> str:
+    """The name of the ustar header at ``pos`` in ``buf`` (read without slicing the header; the hot loop has
+    the common case, a name without prefix, inline)."""
     cut = buf.find(b"\0", pos, pos + 100)
     name = buf[pos : cut if cut >= 0 else pos + 100]
     if buf[pos + 345] and buf[pos + 257 : pos + 263] == b"ustar\x00":  # POSIX ustar: prefix holds directories
         name = _cstring(buf[pos + 345 : pos + 500]) + b"/" + name
     return name.decode("utf-8", "surrogateescape")
+
+
+_PRIVATE = getattr(mmap, "MAP_PRIVATE", None)  # (a window must not be shared with forked processes)
+_SPARE_WINDOWS: dict[int, list[mmap.mmap]] = {}  # by size: windows of readers that finished, for the next
+_MAX_SPARE = 4  # per size (readers open at once in a process: a few, with n_active_shards)
+
+
+def _take_window(size: int) -> mmap.mmap:
+    """A reader's buffer: a spare one of this size (its pages already there), else a new one."""
+    spare = _SPARE_WINDOWS.get(size)
+    if spare:
+        try:
+            return spare.pop()
+        except IndexError:  # (another thread took the last one)
+            pass
+    return mmap.mmap(-1, size, flags=_PRIVATE)  # type: ignore[arg-type]
+
+
+def _give_back(window: mmap.mmap) -> None:
+    spare = _SPARE_WINDOWS.setdefault(len(window), [])
+    if len(spare) < _MAX_SPARE:
+        spare.append(window)
 
 
 def _positioned_file(fileobj: IO[bytes], offset: int) -> bool:
@@ -320,23 +381,43 @@ _CHECKSUM_WEIGHTS = np.ones(BLOCK, dtype=np.float32)
 _CHECKSUM_WEIGHTS[148:156] = 0  # the checksum field counts as eight spaces (the 8 * 32 added)
 
 
-def _first_bad_header(buf: bytes, positions: list[int]) -> int | None:
-    """Index (into ``positions``) of the first header in ``buf`` whose checksum is wrong, or None."""
+_SCRATCH = threading.local()
+
+
+def _scratch(rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """This thread's arrays for a block's headers (bytes, and as float32), with room for ``rows``: reused from
+    block to block. (New arrays of this size -- about 1 MiB for a block of small samples -- came from fresh
+    pages at every block whenever the C allocator maps such sizes anew: a page fault every 4 KiB, which
+    cost more than the checksums themselves.)"""
+    arrays: tuple[np.ndarray, np.ndarray] | None = getattr(_SCRATCH, "arrays", None)
+    if arrays is None or len(arrays[0]) < rows:
+        size = 1 << max(rows - 1, 255).bit_length()  # (a power of two: a few sizes at most)
+        arrays = _SCRATCH.arrays = (np.empty((size, BLOCK), np.uint8), np.empty((size, BLOCK), np.float32))
+    return arrays
+
+
+def _first_bad_header(buf: Any, positions: list[int], length: int) -> int | None:
+    """Index (into ``positions``) of the first header in ``buf`` (its first ``length`` bytes in use) whose
+    checksum is wrong, or None."""
     if not positions:
         return None
-    blocks = np.frombuffer(buf, dtype=np.uint8, count=len(buf) // BLOCK * BLOCK).reshape(-1, BLOCK)
+    blocks = np.frombuffer(buf, dtype=np.uint8, count=length // BLOCK * BLOCK).reshape(-1, BLOCK)
     rows = np.asarray(positions, dtype=np.intp) // BLOCK
     if rows[-1] >= len(blocks):  # a partial header (parse failure at the buffer's end)
         rows = rows[:-1]
-    headers = blocks[rows]
+    count = len(rows)
+    raw, wide = _scratch(count)
+    headers = np.take(blocks, rows, axis=0, out=raw[:count], mode="clip")  # (rows are in range: no buffering)
+    floats = wide[:count]
+    np.copyto(floats, headers)
     # Sums and stored values as float32 dot products (exact: integers below 2**24; an integer sum over the
     # headers took three times as long).
-    sums = headers.astype(np.float32) @ _CHECKSUM_WEIGHTS + 8 * 32
+    sums = floats @ _CHECKSUM_WEIGHTS + 8 * 32
     # The usual stored checksum (six octal digits, then NUL) is read here for all headers at once: the
     # ones that match need no more; the others are looked at one by one below.
     digits = headers[:, 148:154]
     plain = (headers[:, 154] == 0) & ((digits >= 48) & (digits <= 55)).all(axis=1)
-    matches = plain & (digits.astype(np.float32) @ _OCTAL_PLACES - _OCTAL_BIAS == sums)
+    matches = plain & (floats[:, 148:154] @ _OCTAL_PLACES - _OCTAL_BIAS == sums)
     if matches.all():
         return None
     for i in np.flatnonzero(~matches).tolist():

@@ -146,7 +146,8 @@ class ShardSampleReader:
     ) -> Iterator[dict[str, Any]]:
         url = self.url
         rename, select = self.rename_files, self.select_files
-        # The default pattern only matches names starting with "__": test that first, it is the hot loop.
+        # The default pattern only matches names starting with "__": a one-character test first (a cached
+        # string, no new one), it is the hot loop.
         meta_prefix_only = self.skip_meta is None or self.skip_meta.pattern == DEFAULT_SKIP_META
         ordinal = self.next_ordinal - 1
         raw_key: str | None = None  # the key before renaming: ordinals follow the shard as written
@@ -168,16 +169,21 @@ class ShardSampleReader:
         current_offset = -1
         try:
             for name, offset, data in _members(members):
-                if (name[:2] == "__" or not meta_prefix_only) and self._is_meta(name):
+                if (name[:1] == "_" or not meta_prefix_only) and self._is_meta(name):
                     continue
-                # split_key, inline for the common name (a basename not starting with a dot)
-                slash = name.rfind("/")
-                dot = name.find(".", slash + 1)
+                # split_key, inline for the common name (no directory, not starting with a dot)
                 raw_prefix: str | None
-                if dot > slash + 1:
-                    raw_prefix, extension = name[:dot], name[dot + 1 :]
+                if "/" not in name:
+                    raw_prefix, dot, extension = name.partition(".")
+                    if not (dot and raw_prefix):
+                        raw_prefix, extension = split_key(name)
                 else:
-                    raw_prefix, extension = split_key(name)
+                    slash = name.rfind("/")
+                    dot_at = name.find(".", slash + 1)
+                    if dot_at > slash + 1:
+                        raw_prefix, extension = name[:dot_at], name[dot_at + 1 :]
+                    else:
+                        raw_prefix, extension = split_key(name)
                 if raw_prefix is None:  # no key as written: if a rename gives it one, its sample starts here
                     group_offset = offset
                 elif raw_prefix != raw_key:
