@@ -155,3 +155,51 @@ def test_a_plain_splitter_after_a_reader_built_from_webdataset_pieces(urls) -> N
         )
 
     assert_resumes_everywhere(make)
+
+
+def every_other(src: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """A plain filter written as a generator: never more than one item per item."""
+    for sample in src:
+        if int(sample["txt"]) % 2 == 0:
+            yield sample
+
+
+@pytest.mark.parametrize("after", ["shuffle", "batched"])
+def test_a_plain_splitter_after_a_stage_is_refused_once_seen_splitting(urls, after: str) -> None:
+    """After a stage (here shuffle, or batched and a splitter of batches) no state sees the rest of an item
+    the function is part-way through: states are refused from the first item seen to give several, instead
+    of resuming without the rest of it (shuffle then split3 used to lose or repeat items, silently)."""
+    if after == "shuffle":
+        stages: tuple[Any, ...] = (wds.shuffle(4, initial=4, seed=1), split3)
+    else:
+        stages = (wds.batched(2, collation_fn=None), lambda src: (s for batch in src for s in batch))
+    pipeline = _pipeline(urls, *stages, splitter=identity)
+    items = iter(pipeline)
+    next(items)
+    next(items)
+    with pytest.raises(wds.StateMismatchError, match=r"a plain function after a stage \(stage 5 .*wds.unlisted"):
+        pipeline.state_dict()
+
+
+def test_plain_filters_after_a_stage_keep_their_state(urls, monkeypatch) -> None:
+    """A generator that only drops items is watched and never refused; webdataset's one-for-one filters
+    (map, to_tuple, select...) are not even watched."""
+    assert_resumes_everywhere(
+        lambda: _pipeline(urls, wds.shuffle(4, initial=4, seed=1), every_other, splitter=identity)
+    )
+    from wdsraft.pipeline import splitwatch
+
+    def never(self, items):
+        raise AssertionError("a one-for-one filter was watched")
+
+    monkeypatch.setattr(splitwatch.SplitWatch, "pulled", never)
+    assert_resumes_everywhere(
+        lambda: _pipeline(
+            urls,
+            wds.shuffle(4, seed=1),
+            wds.map(identity),
+            wds.select(bool),
+            wds.to_tuple("__key__"),
+            splitter=identity,
+        )
+    )

@@ -19,6 +19,7 @@ from wdsraft.pipeline.addresses import Address
 from wdsraft.pipeline.client import ClientReader, client_reader_span, composed, passed_through
 from wdsraft.pipeline.nested import is_stateful_dataset, source_stage_of
 from wdsraft.pipeline.partial import PartialTracker, counted, rest_of_item
+from wdsraft.pipeline.splitwatch import SplitWatch, at_most_one_per_item, plain_runs
 from wdsraft.pipeline.stage import (
     Context,
     SourceStage,
@@ -73,6 +74,16 @@ class _Pass:
                     saved = self.states.get("partial")
                     if saved:  # (before anything goes past, the state still says where the restore starts)
                         self.tracker.serial, self.tracker.base = -2, tuple(saved)
+        # Plain functions after a later stage: watched where they may split items (see splitwatch).
+        self.watches: dict[int, tuple[int, SplitWatch]] = {}
+        if self.source_index is not None:
+            for first, (end, functions) in plain_runs(self.stages, self.boundary + 1, _is_stage).items():
+                names = [
+                    f"stage {first + k} ({getattr(f, '__name__', type(f).__name__)})"
+                    for k, f in enumerate(functions)
+                    if not at_most_one_per_item(f)
+                ]
+                self.watches[first] = (end, SplitWatch(names))
 
     def _source_rereads(self) -> bool:
         """Whether the source can re-read the raw item it read last: a seek (the tar reader), or a source that
@@ -103,9 +114,12 @@ class _Pass:
         ctx, stages = self.ctx, self.stages
         ctx.stages = stages
         source: Any = None
+        ends = {end - 1: watch for end, watch in self.watches.values()}
         for index, stage in enumerate(stages):
             if index == self.boundary and self.tracker is not None:
                 source = self._tracked(source)
+            if index in self.watches:
+                source = self.watches[index][1].pulled(source)
             if isinstance(stage, Stage):
                 stage.index = index
                 state = self.states.get(str(index))
@@ -118,6 +132,8 @@ class _Pass:
                 source = self.pipeline.invoke(stage)
             else:
                 source = self.pipeline.invoke(stage, source)
+            if index in ends:
+                source = ends[index].given(source)
         if self.boundary == len(stages) and self.tracker is not None:
             source = self._tracked(source)  # (counted by the iteration, as items go out)
         return source
@@ -185,6 +201,9 @@ class _Pass:
                 "per item, and the source cannot re-read the item it is part-way through, so a restore would "
                 "lose the rest of it; make the split a stage: wds.map(to_list) then wds.unlisted()"
             )
+        split = next((watch for _, watch in self.watches.values() if watch.split), None)
+        if split is not None:
+            states["split_after"] = unresumable_state(split.refusal())
         if self.ctx.unsaved:
             states["unsaved"] = unresumable_state(
                 f"cannot save this pipeline: {', '.join(self.ctx.unsaved)} runs as a plain function inside it "
@@ -415,3 +434,7 @@ def _pulled_as(ctx: Context, items: Iterator[Any]) -> Iterator[Any]:
 
 
 _NOTHING = object()
+
+
+def _is_stage(stage: Any) -> bool:
+    return isinstance(stage, Stage) or stage is passed_through
