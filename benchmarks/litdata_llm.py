@@ -193,42 +193,58 @@ def tokens_section(
 # -- resume in workers -----------------------------------------------------------------------------------
 
 
-def uninterrupted(make: Callable[[], Any], depths: list[int]) -> dict[int, tuple[Any, list[torch.Tensor]]]:
-    """One run to the deepest point: at each depth (batches delivered) the loader's state and the next
-    ``CHECK`` batches' ``input_ids``."""
+class Taken:
+    """What an uninterrupted run saw at one depth: the state, the next batches, the real tokens before."""
+
+    def __init__(self, state: Any, tokens_before: int) -> None:
+        self.state = state
+        self.tokens_before = tokens_before
+        self.after: list[torch.Tensor] = []
+
+
+def uninterrupted(make: Callable[[], Any], depths: list[int], to_end: bool) -> tuple[dict[int, Taken], int]:
+    """One run to the deepest point (to the epoch's end with ``to_end``): at each depth (batches
+    delivered) the loader's state and the next ``CHECK`` batches' ``input_ids``; and the real tokens
+    of the epoch (0 without ``to_end``)."""
     loader = make()
-    iterator = iter(loader)
-    taken: dict[int, tuple[Any, list[torch.Tensor]]] = {}
-    pending: list[tuple[int, Any, list[torch.Tensor]]] = []
-    for step in range(max(depths) + CHECK):
-        if step in depths:
-            pending.append((step, loader.state_dict(), []))
-        batch = next(iterator)
-        for depth, state, after in pending:
-            if len(after) < CHECK:
-                after.append(batch["input_ids"])
-                if len(after) == CHECK:
-                    taken[depth] = (state, after)
-    del iterator, loader
-    return taken
+    taken: dict[int, Taken] = {}
+    tokens = 0
+    step = -1
+    for step, batch in enumerate(loader):
+        for point in taken.values():
+            if len(point.after) < CHECK:
+                point.after.append(batch["input_ids"])
+        tokens += int(batch["attention_mask"].sum())
+        if step + 1 in depths:
+            taken[step + 1] = Taken(loader.state_dict(), tokens)
+        if step + 1 == max(depths) + CHECK and not to_end:
+            break
+    if step + 1 < max(depths) + CHECK:
+        raise StopIteration
+    del loader
+    return taken, tokens if to_end else 0
 
 
-def restored(make: Callable[[], Any], state: Any, expected: list[torch.Tensor]) -> tuple[float, bool]:
-    """Seconds from a fresh loader's ``load_state_dict`` to its first batch (workers' start included),
-    and whether its first ``CHECK`` batches are the uninterrupted run's."""
+def restored(make: Callable[[], Any], point: Taken, to_end: bool) -> tuple[float, bool, int]:
+    """Seconds from a fresh loader's ``load_state_dict`` to its first batch (workers' start included);
+    whether its first ``CHECK`` batches are the uninterrupted run's; with ``to_end``, the real tokens
+    it delivers to the epoch's end."""
     loader = make()
     start = time.perf_counter()
-    loader.load_state_dict(state)
+    loader.load_state_dict(point.state)
     iterator = iter(loader)
-    got = [next(iterator)["input_ids"]]
+    first = next(iterator)
     elapsed = time.perf_counter() - start
+    got, tokens = [first["input_ids"]], int(first["attention_mask"].sum())
     for batch in iterator:  # (a restore may run out early: fewer batches compare unequal)
-        got.append(batch["input_ids"])
-        if len(got) == CHECK:
+        if len(got) < CHECK:
+            got.append(batch["input_ids"])
+        elif not to_end:
             break
+        tokens += int(batch["attention_mask"].sum())
     del iterator, loader
-    same = len(got) == CHECK and all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
-    return elapsed, same
+    same = len(got) == CHECK and all(torch.equal(a, b) for a, b in zip(got, point.after, strict=True))
+    return elapsed, same, tokens
 
 
 def llm_resume_section(urls: list[str], directory: str, repeats: int, depth: int) -> None:
@@ -240,28 +256,36 @@ def llm_resume_section(urls: list[str], directory: str, repeats: int, depth: int
     depths = [20, depth]
     firsts: dict[tuple[str, int], list[float]] = {}
     exact: dict[tuple[str, int], list[bool]] = {}
+    extra: dict[tuple[str, int], int] = {}  # (round 0: real tokens delivered twice (+) or never (-))
     for number in range(repeats):
         for name in list(makers) if number % 2 == 0 else list(makers)[::-1]:
             try:
-                taken = uninterrupted(makers[name], depths)
+                taken, total = uninterrupted(makers[name], depths, to_end=number == 0)
             except StopIteration:
                 print(f"\n(llm_resume skipped: one epoch is shorter than {depth + CHECK} batches; use --copies 4)")
                 return
             for at in depths:
-                state, expected = taken[at]
-                elapsed, same = restored(makers[name], state, expected)
+                elapsed, same, rest = restored(makers[name], taken[at], to_end=number == 0)
                 firsts.setdefault((name, at), []).append(elapsed)
                 exact.setdefault((name, at), []).append(same)
+                if number == 0:
+                    extra[(name, at)] = taken[at].tokens_before + rest - total
                 print(f"  round {number} {name} at batch {at}: {elapsed:.3f} s, exact {same}", flush=True)
     print(
         f"\n### The LLM pipeline in {WORKERS} workers: a fresh loader's load_state_dict to the first batch "
         f"(workers' start included; median and range of {repeats} rounds)\n"
     )
-    print(f"| resumed after (batches) | library | to the first batch (s) | next {CHECK} batches as uninterrupted |")
-    print("|---:|---|---:|---|")
+    print(
+        f"| resumed after (batches) | library | to the first batch (s) | next {CHECK} batches as uninterrupted "
+        "| real tokens over the epoch, before + after the restore, minus the uninterrupted epoch's |"
+    )
+    print("|---:|---|---:|---|---:|")
     for at in depths:
         for name in makers:
             runs = exact[(name, at)]
             verdict = "yes" if all(runs) else ("NO" if not any(runs) else f"{sum(runs)} of {len(runs)} rounds")
-            print(f"| {at:,} | {label(name)} | {span(firsts[(name, at)], digits=3)} | {verdict} |")
+            print(
+                f"| {at:,} | {label(name)} | {span(firsts[(name, at)], digits=3)} | {verdict} "
+                f"| {extra[(name, at)]:+,} |"
+            )
     sys.stdout.flush()
