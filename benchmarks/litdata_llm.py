@@ -171,10 +171,8 @@ def tokens_section(
         "(worker start included)\n"
     )
     print(
-        print(
-            "| library | real tokens | batches | tokens/s (median, range) | CPU s main | CPU s workers "
-            "| wdsraft / LitData |"
-        )
+        "| library | real tokens | batches | tokens/s (median, range) | CPU s main | CPU s workers "
+        "| wdsraft / LitData |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name, runs in results.items():
