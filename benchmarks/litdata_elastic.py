@@ -20,13 +20,16 @@ resume from what was saved and run to the end of the epoch:
 
 Counted over the epoch, against every sample of the dataset: samples delivered twice and samples
 never delivered; and the time from the resume call (``ledger.resume`` / ``load_state_dict``) to
-the first batch, workers' start included, of the slowest new rank.
+the first batch, workers' start included, of the slowest new rank, and the resume call's own
+share of it. Each change runs ``min(--repeats, 3)`` rounds, the libraries alternating; times are
+medians, and the counts are printed once (any round counting otherwise is printed too).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -58,6 +61,7 @@ def wdsraft_rank(data: dict[str, Any], rank: int, phase: str, workdir: Path) -> 
         saved = torch.load(mine if mine.exists() else workdir / "state-00000.pt", weights_only=True)
     start = time.perf_counter()
     mode = ledger.resume(loader, saved)
+    call = time.perf_counter() - start
     keys: list[str] = []
     first = None
     for step, batch in enumerate(ledger.track(loader), 1):
@@ -67,7 +71,7 @@ def wdsraft_rank(data: dict[str, Any], rank: int, phase: str, workdir: Path) -> 
         if phase == "before" and step == data["step"]:
             torch.save(ledger.checkpoint(loader, step), workdir / f"state-{rank:05d}.pt")
             break
-    return {"keys": keys, "first": first, "mode": mode}
+    return {"keys": keys, "first": first, "call": call, "mode": mode}
 
 
 def litdata_rank(data: dict[str, Any], rank: int, phase: str, workdir: Path) -> dict[str, Any]:
@@ -76,9 +80,11 @@ def litdata_rank(data: dict[str, Any], rank: int, phase: str, workdir: Path) -> 
 
     dataset = litdata.StreamingDataset(data["directory"], shuffle=True, seed=1, drop_last=False)
     loader = litdata.StreamingDataLoader(dataset, batch_size=data["batch"], num_workers=WORKERS)
+    saved = torch.load(workdir / "state-00000.pt", weights_only=False) if phase == "after" else None
     start = time.perf_counter()
-    if phase == "after":
-        loader.load_state_dict(torch.load(workdir / "state-00000.pt", weights_only=False))
+    if saved is not None:
+        loader.load_state_dict(saved)
+    call = time.perf_counter() - start
     keys: list[str] = []
     first = None
     for step, batch in enumerate(loader, 1):
@@ -89,7 +95,7 @@ def litdata_rank(data: dict[str, Any], rank: int, phase: str, workdir: Path) -> 
             if rank == 0:
                 torch.save(loader.state_dict(), workdir / "state-00000.pt")
             break
-    return {"keys": keys, "first": first, "mode": "load_state_dict" if phase == "after" else "fresh"}
+    return {"keys": keys, "first": first, "call": call, "mode": "load_state_dict" if saved else "fresh"}
 
 
 def child(argv: list[str]) -> None:
@@ -124,54 +130,82 @@ def ranks(script: str, library: str, phase: str, workdir: Path, world: int) -> l
     return [json.loads((workdir / f"{phase}-{rank}.json").read_text()) for rank in range(world)]
 
 
-def scenario(script: str, library: str, root: Path, world: int, step: int) -> dict[str, Any]:
-    workdir = root / f"{library}-2to{world}-at{step}"
+def scenario(script: str, library: str, root: Path, world: int, step: int, number: int) -> dict[str, Any]:
+    workdir = root / f"{library}-2to{world}-at{step}-round{number}"
     workdir.mkdir(parents=True)
     before = ranks(script, library, "before", workdir, 2)
     after = ranks(script, library, "after", workdir, world)
-    delivered = Counter(key for result in before + after for key in result["keys"])
+    slowest = max((r for r in after if r["first"] is not None), key=lambda r: r["first"])
     return {
         "before": sum(len(r["keys"]) for r in before),
         "after": sum(len(r["keys"]) for r in after),
-        "delivered": delivered,
-        "first": max(r["first"] for r in after if r["first"] is not None),
+        "delivered": Counter(key for result in before + after for key in result["keys"]),
+        "first": slowest["first"],
+        "call": slowest["call"],
+        "fresh": max(r["first"] for r in before),
         "modes": sorted({r["mode"] for r in after}),
     }
 
 
+def counted(result: dict[str, Any], every: set[str]) -> tuple[int, int]:
+    """(samples delivered twice, samples never delivered) over the epoch."""
+    delivered = result["delivered"]
+    foreign = len(delivered.keys() - every)
+    if foreign:
+        raise SystemExit(f"{foreign} delivered keys are not in the dataset")
+    return sum(count - 1 for count in delivered.values() if count > 1), len(every - delivered.keys())
+
+
 def elastic_section(
-    script: str, urls: list[str], directory: str, every: dict[str, set[str]], root: Path, batch: int, steps: list[int]
+    script: str,
+    urls: list[str],
+    directory: str,
+    every: dict[str, set[str]],
+    root: Path,
+    batch: int,
+    steps: list[int],
+    rounds: int,
 ) -> None:
     root.mkdir(parents=True, exist_ok=True)
+    libraries = ["wdsraft", "litdata"]
     rows = []
     for world in (1, 3):
         for step in steps:
             (root / "data.json").write_text(
                 json.dumps({"urls": urls, "directory": directory, "batch": batch, "step": step})
             )
-            for library in ("wdsraft", "litdata"):
-                result = scenario(script, library, root, world, step)
-                delivered = result["delivered"]
-                twice = sum(count - 1 for count in delivered.values() if count > 1)
-                never = len(every[library] - delivered.keys())
-                foreign = len(delivered.keys() - every[library])
-                if foreign:
-                    raise SystemExit(f"{library}: {foreign} delivered keys are not in the dataset")
-                rows.append((world, step, library, result, twice, never))
-                print(f"  2 -> {world} at {step}: {library}: {result['modes']} twice {twice} never {never}", flush=True)
+            results: dict[str, list[dict[str, Any]]] = {name: [] for name in libraries}
+            for number in range(rounds):
+                for library in libraries if number % 2 == 0 else libraries[::-1]:
+                    result = scenario(script, library, root, world, step, number)
+                    result["counts"] = counted(result, every[library])
+                    results[library].append(result)
+                    print(
+                        f"  2 -> {world} at {step} round {number}: {library}: {result['modes']} "
+                        f"twice, never {result['counts']}, first {result['first']:.2f} s",
+                        flush=True,
+                    )
+            rows += [(world, step, library, results[library]) for library in libraries]
     print(
         f"\n### World size 2 -> 1 and 2 -> 3 mid-epoch: 2 ranks take N batches of {batch} each, then the new "
-        f"ranks resume and end the epoch ({WORKERS} workers per rank)\n"
+        f"ranks resume and end the epoch ({WORKERS} workers per rank; times: median and range of {rounds} rounds)\n"
     )
     print(
         "| change | N | library | delivered before + after | delivered twice | never delivered "
-        "| resume call to the first batch, slowest new rank |"
+        "| resume call to the first batch, slowest new rank | of which the resume call "
+        "| fresh start to the first batch, slowest first rank |"
     )
-    print("|---|---:|---|---:|---:|---:|---:|")
-    for world, step, library, result, twice, never in rows:
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
+    for world, step, library, runs in rows:
         name = "wdsraft ledger" if library == "wdsraft" else "LitData elastic"
+        counts = {(r["before"], r["after"], r["counts"]) for r in runs}
+        if len(counts) > 1:
+            print(f"(the rounds counted differently: {sorted(counts)})")
+        (before, after, (twice, never)) = runs[0]["before"], runs[0]["after"], runs[0]["counts"]
+        firsts, calls, fresh = ([r[key] for r in runs] for key in ("first", "call", "fresh"))
         print(
-            f"| 2 -> {world} | {step} | {name} | {result['before']:,} + {result['after']:,} | {twice:,} "
-            f"| {never:,} | {result['first']:.2f} s |"
+            f"| 2 -> {world} | {step} | {name} | {before:,} + {after:,} | {twice:,} | {never:,} "
+            f"| {statistics.median(firsts):.2f} s ({min(firsts):.2f}-{max(firsts):.2f}) "
+            f"| {statistics.median(calls):.3f} s | {statistics.median(fresh):.2f} s |"
         )
     sys.stdout.flush()

@@ -407,7 +407,14 @@ def main() -> None:
             "litdata": {s["id"] for s in litdata_dataset(directory)},
         }
         litdata_elastic.elastic_section(
-            __file__, urls, directory, every, args.workdir / "elastic", args.elastic_batch, args.elastic_steps
+            __file__,
+            urls,
+            directory,
+            every,
+            args.workdir / "elastic",
+            args.elastic_batch,
+            args.elastic_steps,
+            min(args.repeats, 3),
         )
     print(f"\nload average after: {loadavg()}")
     shutil.rmtree(args.workdir, ignore_errors=True)
