@@ -13,7 +13,8 @@ shuffled ``.txt`` + ``.json`` samples, an index beside each shard) and LitData's
 ``chunk_size`` LitData is given), so both read the same number of files. Before any timing both
 datasets are checked to hold the same (id, text) pairs.
 
-Sections (``--sections``, default all):
+Sections (``--sections``; by default the first four, which need nothing beyond LitData; the last
+three run when named, as docs/benchmarks.md does):
 
 - ``convert``: wall and CPU seconds of each conversion (``--repeats`` rounds, alternating);
 - ``read``: one epoch in one process, ``WebDataset(urls, shardshuffle=False).decode()`` against
@@ -68,7 +69,8 @@ from wdsraft.convert import ConvertOptions, convert
 
 HERE = Path(__file__).resolve().parent
 LIBRARIES = ("wdsraft", "litdata")
-SECTIONS = ("convert", "read", "loader", "resume", "tokens", "llm_resume", "elastic")
+DEFAULT_SECTIONS = ("convert", "read", "loader", "resume")
+SECTIONS = (*DEFAULT_SECTIONS, "tokens", "llm_resume", "elastic")
 
 
 # -- data ------------------------------------------------------------------------------------------------
@@ -325,7 +327,7 @@ def main() -> None:
     add_arguments(parser, copies=20)
     parser.add_argument("--repeats", type=int, default=5, help="rounds; medians are reported (default 5)")
     parser.add_argument("--per-shard", type=int, default=1000, help="samples per shard / chunk (default 1000)")
-    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(DEFAULT_SECTIONS))
     parser.add_argument("--depth", type=int, default=2000, help="llm_resume: the deep point, in batches (default 2000)")
     parser.add_argument("--elastic-batch", type=int, default=64, help="elastic: batch size per rank (default 64)")
     parser.add_argument(
