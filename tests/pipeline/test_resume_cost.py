@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 import wdsraft as wds
+from wdsraft.testing import assert_resumes_everywhere
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning"),  # webdataset's advice warnings
@@ -70,10 +71,10 @@ def opened_files() -> _OpenedFiles:
     return _OPENED
 
 
-def _write_shard(path: Path, count: int, first: int = 0) -> str:
+def _write_shard(path: Path, count: int, first: int = 0, size: int = SAMPLE) -> str:
     with wds.TarWriter(str(path)) as sink:  # (writes the index beside it)
         for number in range(first, first + count):
-            sink.write({"__key__": f"{number:06d}", "bin": bytes([number % 251]) * SAMPLE, "cls": number})
+            sink.write({"__key__": f"{number:06d}", "bin": bytes([number % 251]) * size, "cls": number})
     return str(path)
 
 
@@ -255,3 +256,42 @@ def test_an_elastic_resume_opens_a_compressed_shard_once_however_scattered_its_c
         rest = [pair for batch in second.track(again) for pair in _pairs(batch)]
     assert sorted(o for _, o in rest) == sorted(set(range(40)) - consumed)
     assert [p for p in opened if p == url] == [url]  # one open, not one per run of unconsumed samples
+
+
+def test_an_elastic_resume_reads_through_small_holes_instead_of_opening_a_reader_per_run(
+    tmp_path: Path, opened_files
+) -> None:
+    """A shuffled first run leaves the samples its buffer held as holes among the consumed ones. Reopening the
+    shard for each run of unconsumed samples cost an opening (a GET on S3) per hole; small consumed stretches
+    between runs are read through instead: one opening, exactly the unconsumed samples, and a state taken
+    part-way through the elastic run resumes exactly."""
+    url = _write_shard(tmp_path / "small.tar", 40, size=2 * KB)
+    path = str(tmp_path / "ledger")
+
+    def loader(batch: int):
+        dataset = wds.WebDataset([url], shardshuffle=False).shuffle(10, seed=1).batched(batch)
+        return wds.WebLoader(dataset, batch_size=None)
+
+    first, run = wds.Ledger(path, run="first", rank=0, world_size=1), loader(4)
+    delivered: Counter = Counter()
+    for step, batch in enumerate(first.track(run), 1):
+        delivered.update(_pairs(batch))
+        if step == 4:
+            saved = first.checkpoint(run, step)
+            break
+    consumed = {ordinal for _, ordinal in delivered}
+    holes = sum(1 for o in range(1, 40) if o in consumed and o - 1 not in consumed)
+    assert holes > 3  # (scattered by the shuffle: several runs of unconsumed samples)
+    second, again = wds.Ledger(path, run="second", rank=0, world_size=1), loader(5)
+    with opened_files as opened:
+        assert second.resume(again, saved) == "elastic"
+        rest = [pair for batch in second.track(again) for pair in _pairs(batch)]
+    assert sorted(o for _, o in rest) == sorted(set(range(40)) - consumed)
+    assert [p for p in opened if p == url] == [url]
+
+    def resumed_elastically():
+        ledger, dataset = wds.Ledger(path, run=f"exact-{len(opened)}", rank=0, world_size=1), loader(5)
+        ledger.resume(dataset, saved)
+        return dataset
+
+    assert_resumes_everywhere(resumed_elastically, same_shape=False)

@@ -217,18 +217,13 @@ class TarfileToSamples(SourceStage):
             yield rest if end is None else _Bounded(rest, end)
             return
         offsets = index.offsets
-        run_start = ordinal
-        total = len(offsets) - 1 if end is None else min(len(offsets) - 1, end)
-        while run_start < total:
-            while run_start < total and run_start in consumed:
-                run_start += 1
-            run_end = run_start
-            while run_end < total and run_end not in consumed:
-                run_end += 1
-            if run_start < run_end:
-                reader = self._reader(url, offsets[run_start], run_start, index)
-                yield _Bounded(self._marking(ctx, url, reader), run_end)
-            run_start = run_end
+        # Consumed samples between two runs are read through (and dropped) where they are fewer bytes than
+        # what opening the next run costs: a request on S3, a reader locally. A shuffled run leaves its
+        # buffer's samples as holes all over its last shards: a reader per hole made hundreds of openings.
+        read_through = READ_THROUGH_LOCAL if local_path(url) is not None else READ_THROUGH_REMOTE
+        for first, stop, holes in _unconsumed_stretches(offsets, consumed, ordinal, end, read_through):
+            reader = self._marking(ctx, url, self._reader(url, offsets[first], first, index))
+            yield _Bounded(_Filtered(reader, consumed) if holes else reader, stop)
 
     def _marking(self, ctx: Context, url: str, reader: ShardSampleReader) -> ShardSampleReader:
         marks = ctx.skip.marks_in(url) if ctx.skip is not None else None
@@ -347,6 +342,38 @@ class _ReaderView:
     @property
     def stopped(self) -> bool:
         return self.reader.stopped
+
+
+#: Consumed bytes between two runs of unconsumed samples read through rather than opened anew.
+READ_THROUGH_LOCAL = 64 << 10
+READ_THROUGH_REMOTE = 1 << 20
+
+
+def _unconsumed_stretches(
+    offsets: Any, consumed: Container[int], ordinal: int, end: int | None, read_through: int
+) -> Iterator[tuple[int, int, bool]]:
+    """``(first, stop, holes)``: the stretches of a shard to read from ``ordinal`` on, each up to ``stop``
+    (exclusive), with ``holes`` where consumed samples lie inside it (fewer than ``read_through`` bytes
+    each) and must be dropped."""
+    total = len(offsets) - 1 if end is None else min(len(offsets) - 1, end)
+    current: list[Any] | None = None  # [first, stop, holes]
+    start = ordinal
+    while start < total:
+        while start < total and start in consumed:
+            start += 1
+        stop = start
+        while stop < total and stop not in consumed:
+            stop += 1
+        if start < stop:
+            if current is not None and offsets[start] - offsets[current[1]] <= read_through:
+                current[1], current[2] = stop, True
+            else:
+                if current is not None:
+                    yield current[0], current[1], current[2]
+                current = [start, stop, False]
+        start = stop
+    if current is not None:
+        yield current[0], current[1], current[2]
 
 
 class _Filtered(_ReaderView):
