@@ -334,10 +334,16 @@ class _Iteration:
         current = self._next_pass()
         if current.tracker is not None and current.boundary == len(current.stages):
             return None  # (its count of what goes out of the current raw item runs at every item)
-        ctx = self._begin_pass(current)
         self._taken, self._taken_base = taken, (self.yielded, self.pass_count)
+        return chain.from_iterable(self._counted_parts(current))
+
+    def _counted_parts(self, current: _Pass) -> Iterator[Iterator[Any]]:
+        """The parts of ``counted_by``'s items, the pass begun at the first pull (as ``_run`` begins it): until
+        then a state holds the loaded stage states, which stages adopt only as they start (a sequence stage's
+        held pieces: a mixture restores its sources long before it draws from some of them again)."""
+        ctx = self._begin_pass(current)
         items = current.iterator()
-        return chain(_first_pulled(ctx, items), items, self._counted_end())
+        yield chain(_first_pulled(ctx, items), items, self._counted_end())
 
     def _sync(self) -> None:
         """The counters, from what the consumer of ``counted_by`` took."""
