@@ -544,14 +544,29 @@ def test_ledger_refuses_samples_split_into_several_items(tmp_path, urls, split, 
             pass
 
 
-def test_ledger_takes_resampled_shards_that_repeat_samples(tmp_path, urls) -> None:
-    """Shards drawn with replacement repeat samples within an epoch by design: not refused."""
+@pytest.mark.parametrize("through", ["webloader", "pipeline"])
+def test_ledger_takes_resampled_shards_that_repeat_samples(tmp_path, urls, through) -> None:
+    """Shards drawn with replacement repeat samples within an epoch by design: not refused, whether the ledger
+    tracks a WebLoader or the pipeline itself."""
     dataset = wds.WebDataset(urls[:2], resampled=True, seed=3, shardshuffle=False).batched(5)
-    loader = wds.WebLoader(dataset, batch_size=None).with_epoch(12)
+    if through == "webloader":
+        loader = wds.WebLoader(dataset, batch_size=None).with_epoch(12)
+    else:
+        loader = dataset.with_epoch(12)
     ledger = wds.Ledger(str(tmp_path / "l"), run="r", rank=0, world_size=1)
     pairs = [pair for batch in ledger.track(loader) for pair in _pairs(batch)]
     assert len(pairs) == 60 and len(set(pairs)) <= 20  # (two shards of 10: every sample came several times)
     ledger.commit(12)
+
+
+def test_a_loader_without_an_epoch_is_refused(tmp_path, urls) -> None:
+    """A loader with no epoch would have every epoch recorded as epoch 0 (the second's samples read as consumed
+    twice, or as consumed for good): refused when tracking starts, naming what to use."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    loader = StatefulDataLoader(wds.WebDataset(urls, shardshuffle=False).batched(4), batch_size=None)
+    with pytest.raises(LedgerError, match=r"StatefulDataLoader has no epoch.*wds\.WebLoader"):
+        next(wds.Ledger(str(tmp_path / "l"), run="r", rank=0, world_size=1).track(loader))
 
 
 @pytest.mark.parametrize("workers", [0, 2])

@@ -81,7 +81,8 @@ class Ledger:
         self._file: RankFile | None = None
         self._order = PieceOrder()
         #: Whether the stream may deliver a sample twice in an epoch by design (shards drawn with replacement);
-        #: otherwise such a repeat stops the run (see ``refuse_repeats``). ``track()`` finds it out.
+        #: otherwise such a repeat stops the run (see ``refuse_repeats``). ``track()`` finds it out; set it
+        #: yourself when you call ``record()`` directly on such a stream.
         self.repeats_expected = False
         self._identities = ShardIdentities(self.path)
         self._to_record: dict[str, Identity] = {}  # identities read from the dataset, for the next commit
@@ -131,8 +132,15 @@ class Ledger:
             raise LedgerError(
                 "ledger", "the dataset inside the WebLoader repeats (repeat/with_epoch): put them on the WebLoader"
             )
+        if not hasattr(loader, "epoch"):
+            # Every epoch would be recorded as epoch 0: a sample of the second would read as consumed twice.
+            raise LedgerError(
+                "ledger",
+                f"{type(loader).__name__} has no epoch, and the ledger records consumed samples per epoch: track a "
+                "wds.WebLoader or a wdsraft pipeline (or a loader whose `epoch` attribute set_epoch advances)",
+            )
         self.repeats_expected = _draws_with_replacement(
-            inner if inner is not None else getattr(loader, "dataset", None)
+            inner if inner is not None else getattr(loader, "dataset", loader)
         )
         for batch in loader:
             self.record(batch, _epoch_of(loader))

@@ -16,7 +16,7 @@ from typing import Any
 
 from webdataset.shardlists import expand_urls
 
-from wdsraft.core.distributed import worker_info
+from wdsraft.core.distributed import rank_and_world_size, worker_info
 from wdsraft.core.errors import IndexFormatError
 from wdsraft.core.fields import OFFSET_FIELD
 from wdsraft.core.state import fingerprint
@@ -36,7 +36,8 @@ def sample_counts(urls: list[str], count_unindexed: bool = False) -> tuple[list[
     read whole to count it, keeping its samples' byte offsets (returned by URL) for the seeks."""
     counts, offsets = [], {}
     # (one GET each on S3, in parallel threads: one after another, 10^4 shards took minutes per rank)
-    for url, index in zip(urls, map_in_threads(ShardIndex.beside, urls, progress="shard indexes"), strict=True):
+    progress = "shard indexes" if rank_and_world_size()[0] == 0 else None  # (one bar per job, not per rank)
+    for url, index in zip(urls, map_in_threads(ShardIndex.beside, urls, progress=progress), strict=True):
         if index is not None:
             counts.append(index.num_samples)
         elif count_unindexed:
