@@ -133,4 +133,8 @@ def save(workdir: Path, step: int, ledger, loader, rank: int, world_size: int, a
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        if dist.is_initialized():  # (a gloo group's threads still running as the interpreter exits can abort it)
+            dist.destroy_process_group()

@@ -200,4 +200,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        if dist.is_initialized():  # (a gloo group's threads still running as the interpreter exits can abort it)
+            dist.destroy_process_group()
