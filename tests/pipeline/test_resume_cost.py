@@ -223,6 +223,22 @@ def test_an_elastic_resume_opens_no_consumed_shard_and_reads_nothing_consumed(
     assert set(delivered) == every and max(delivered.values()) == 1
 
 
+def _shuffled_loader(url: str, batch: int) -> wds.WebLoader:
+    return wds.WebLoader(wds.WebDataset([url], shardshuffle=False).shuffle(10, seed=1).batched(batch), batch_size=None)
+
+
+def _shuffled_first_run(url: str, path: str, steps: int) -> tuple[dict, set[int]]:
+    """A first run over one shard, shuffled, checkpointed after ``steps`` batches of 4: (the checkpoint, the
+    ordinals it consumed, scattered by the shuffle)."""
+    first, run = wds.Ledger(path, run="first", rank=0, world_size=1), _shuffled_loader(url, 4)
+    delivered: Counter = Counter()
+    for step, batch in enumerate(first.track(run), 1):
+        delivered.update(_pairs(batch))
+        if step == steps:
+            return first.checkpoint(run, step), {ordinal for _, ordinal in delivered}
+    raise AssertionError("the first run ended early")
+
+
 def test_an_elastic_resume_opens_a_compressed_shard_once_however_scattered_its_consumed_samples(
     tmp_path: Path, opened_files
 ) -> None:
@@ -236,21 +252,9 @@ def test_an_elastic_resume_opens_a_compressed_shard_once_however_scattered_its_c
     Path(url).write_bytes(gzip.compress(Path(plain).read_bytes()))
     wds.build_index(url).save(url)
     path = str(tmp_path / "ledger")
-
-    def loader(batch: int):
-        dataset = wds.WebDataset([url], shardshuffle=False).shuffle(10, seed=1).batched(batch)
-        return wds.WebLoader(dataset, batch_size=None)
-
-    first, run = wds.Ledger(path, run="first", rank=0, world_size=1), loader(4)
-    delivered: Counter = Counter()
-    for step, batch in enumerate(first.track(run), 1):
-        delivered.update(_pairs(batch))
-        if step == 3:
-            saved = first.checkpoint(run, step)
-            break
-    consumed = {ordinal for _, ordinal in delivered}
+    saved, consumed = _shuffled_first_run(url, path, steps=3)
     assert len(consumed) == 12 and consumed != set(range(12))  # scattered by the shuffle
-    second, again = wds.Ledger(path, run="second", rank=0, world_size=1), loader(5)
+    second, again = wds.Ledger(path, run="second", rank=0, world_size=1), _shuffled_loader(url, 5)
     with opened_files as opened:
         assert second.resume(again, saved) == "elastic"
         rest = [pair for batch in second.track(again) for pair in _pairs(batch)]
@@ -267,22 +271,10 @@ def test_an_elastic_resume_reads_through_small_holes_instead_of_opening_a_reader
     part-way through the elastic run resumes exactly."""
     url = _write_shard(tmp_path / "small.tar", 40, size=2 * KB)
     path = str(tmp_path / "ledger")
-
-    def loader(batch: int):
-        dataset = wds.WebDataset([url], shardshuffle=False).shuffle(10, seed=1).batched(batch)
-        return wds.WebLoader(dataset, batch_size=None)
-
-    first, run = wds.Ledger(path, run="first", rank=0, world_size=1), loader(4)
-    delivered: Counter = Counter()
-    for step, batch in enumerate(first.track(run), 1):
-        delivered.update(_pairs(batch))
-        if step == 4:
-            saved = first.checkpoint(run, step)
-            break
-    consumed = {ordinal for _, ordinal in delivered}
+    saved, consumed = _shuffled_first_run(url, path, steps=4)
     holes = sum(1 for o in range(1, 40) if o in consumed and o - 1 not in consumed)
     assert holes > 3  # (scattered by the shuffle: several runs of unconsumed samples)
-    second, again = wds.Ledger(path, run="second", rank=0, world_size=1), loader(5)
+    second, again = wds.Ledger(path, run="second", rank=0, world_size=1), _shuffled_loader(url, 5)
     with opened_files as opened:
         assert second.resume(again, saved) == "elastic"
         rest = [pair for batch in second.track(again) for pair in _pairs(batch)]
@@ -290,7 +282,7 @@ def test_an_elastic_resume_reads_through_small_holes_instead_of_opening_a_reader
     assert [p for p in opened if p == url] == [url]
 
     def resumed_elastically():
-        ledger, dataset = wds.Ledger(path, run=f"exact-{len(opened)}", rank=0, world_size=1), loader(5)
+        ledger, dataset = wds.Ledger(path, run=f"exact-{len(opened)}", rank=0, world_size=1), _shuffled_loader(url, 5)
         ledger.resume(dataset, saved)
         return dataset
 
