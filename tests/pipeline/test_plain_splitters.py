@@ -203,3 +203,36 @@ def test_plain_filters_after_a_stage_keep_their_state(urls, monkeypatch) -> None
             splitter=identity,
         )
     )
+
+
+def _pieces(sample: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{"__key__": f"{sample['__key__']}/{i}", "n": int(sample["txt"]), "i": i} for i in range(4)]
+
+
+def _split_filter_shuffle(urls: list[str], keep: Any) -> wds.DataPipeline:
+    return _pipeline(
+        urls, wds.map(_pieces), wds.unlisted(), wds.select(keep), wds.shuffle(5, seed=1), splitter=identity
+    )
+
+
+def test_a_filter_that_drops_between_a_split_and_a_buffer_is_refused(urls) -> None:
+    """The buffer numbers the items of a split group it received; a restore re-reads the whole group, so after
+    a filter dropped one it would restore another item (or fail with 'gave nothing'). States are refused from
+    the first drop seen, naming the stages and what to do."""
+    pipeline = _split_filter_shuffle(urls, lambda item: (item["n"] + item["i"]) % 3 != 0)
+    items = iter(pipeline)
+    for _ in range(8):
+        next(items)
+    with pytest.raises(wds.StateMismatchError, match=r"stage 5 \(unlisted\) and stage 7 \(shuffle\).*_select"):
+        pipeline.state_dict()
+
+
+def test_a_filter_between_a_split_and_a_buffer_that_keeps_everything_resumes(urls) -> None:
+    """Watched, never refused while nothing is dropped; and with no buffer after it, not watched at all."""
+    assert_resumes_everywhere(lambda: _split_filter_shuffle(urls, lambda item: True), same_shape=False)
+    assert_resumes_everywhere(
+        lambda: _pipeline(
+            urls, wds.map(_pieces), wds.unlisted(), wds.select(lambda item: item["i"] != 2), splitter=identity
+        ),
+        same_shape=False,
+    )

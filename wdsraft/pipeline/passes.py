@@ -16,6 +16,7 @@ from wdsraft.core.distributed import WorkerInfo
 from wdsraft.core.errors import StateMismatchError
 from wdsraft.core.state import STATE_FORMAT, STATE_VERSION, config_text
 from wdsraft.pipeline.addresses import Address
+from wdsraft.pipeline.batch import _Splitter
 from wdsraft.pipeline.client import ClientReader, client_reader_span, composed, passed_through
 from wdsraft.pipeline.nested import is_stateful_dataset, source_stage_of
 from wdsraft.pipeline.partial import PartialTracker, counted, rest_of_item
@@ -77,13 +78,16 @@ class _Pass:
         # Plain functions after a later stage: watched where they may split items (see splitwatch).
         self.watches: dict[int, tuple[int, SplitWatch]] = {}
         if self.source_index is not None:
-            for first, (end, functions) in plain_runs(self.stages, self.boundary + 1, _is_stage).items():
+            runs = plain_runs(self.stages, self.boundary + 1, _is_stage, _drops_matter)
+            for first, (end, functions, drops) in runs.items():
                 names = [
-                    f"stage {first + k} ({getattr(f, '__name__', type(f).__name__)})"
+                    f"stage {first + k} ({_name_of(f)})"
                     for k, f in enumerate(functions)
-                    if not at_most_one_per_item(f)
+                    if drops or not at_most_one_per_item(f)
                 ]
-                self.watches[first] = (end, SplitWatch(names))
+                around = f"stage {first - 1} ({type(self.stages[first - 1]).__name__})"
+                around += f" and stage {end} ({type(self.stages[end]).__name__})" if end < len(self.stages) else ""
+                self.watches[first] = (end, SplitWatch(names, drops, around))
 
     def _source_rereads(self) -> bool:
         """Whether the source can re-read the raw item it read last: a seek (the tar reader), or a source that
@@ -201,7 +205,7 @@ class _Pass:
                 "per item, and the source cannot re-read the item it is part-way through, so a restore would "
                 "lose the rest of it; make the split a stage: wds.map(to_list) then wds.unlisted()"
             )
-        split = next((watch for _, watch in self.watches.values() if watch.split), None)
+        split = next((watch for _, watch in self.watches.values() if watch.refused), None)
         if split is not None:
             states["split_after"] = unresumable_state(split.refusal())
         if self.ctx.unsaved:
@@ -444,3 +448,18 @@ _NOTHING = object()
 
 def _is_stage(stage: Any) -> bool:
     return isinstance(stage, Stage) or stage is passed_through
+
+
+def _drops_matter(before: Any, after: Any) -> bool:
+    """A stage that splits items (unbatched, unlisted) then one that holds them: the holder numbers the items of
+    a split group it receives, a restore re-reads the whole group, so a function between them must not drop any."""
+    return isinstance(before, _Splitter) and isinstance(after, Stage) and after.holds_items
+
+
+def _name_of(function: Any) -> str:
+    """A plain function's name for a message (a webdataset filter by its generator's: ``_select``)."""
+    return (
+        getattr(function, "__name__", None)
+        or getattr(getattr(function, "f", None), "__name__", None)
+        or type(function).__name__
+    )

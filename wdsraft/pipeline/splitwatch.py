@@ -41,16 +41,28 @@ def at_most_one_per_item(function: Any) -> bool:
 
 
 class SplitWatch:
-    """One run of plain functions after a stage: whether it was seen yielding several items for one."""
+    """One run of plain functions after a stage: whether it was seen yielding several items for one, and
+    (``drops_matter``: between a stage that splits items and one that holds them) dropping one."""
 
-    def __init__(self, names: list[str]):
+    def __init__(self, names: list[str], drops_matter: bool = False, around: str = ""):
         self.names = names
+        self.drops_matter = drops_matter
+        self.around = around  # "stage N (unlisted) and stage M (shuffle)", for the refusal
         self.out = 0  # items out since the last one in
+        self.pulls = 0
         self.split = False
+        self.dropped = False
+
+    @property
+    def refused(self) -> bool:
+        return self.split or (self.drops_matter and self.dropped)
 
     def pulled(self, items: Iterator[Any]) -> Iterator[Any]:
-        """What goes into the run (an item in resets the count)."""
+        """What goes into the run (an item in resets the count; one in with none out since the last is a drop)."""
         for item in items:
+            if self.pulls and not self.out:
+                self.dropped = True
+            self.pulls += 1
             self.out = 0
             yield item
 
@@ -63,6 +75,12 @@ class SplitWatch:
             yield item
 
     def refusal(self) -> str:
+        if not self.split:
+            return (
+                f"cannot save this pipeline: a function between {self.around} ({', '.join(self.names)}) dropped an "
+                "item of a split group, and the buffer numbers the items it kept where a restore re-reads them all, "
+                "so it would restore other items; filter before the split or after the buffering stage"
+            )
         return (
             f"cannot save this pipeline: a plain function after a stage ({', '.join(self.names)}) yields several "
             "items per item, and no state sees the rest of the item it is part-way through, so a restore would "
@@ -71,9 +89,13 @@ class SplitWatch:
         )
 
 
-def plain_runs(stages: list[Any], start: int, is_stage: Any) -> dict[int, tuple[int, list[Any]]]:
-    """The runs of plain functions from ``start`` on that may split items: first index -> (end, functions)."""
-    runs: dict[int, tuple[int, list[Any]]] = {}
+def plain_runs(
+    stages: list[Any], start: int, is_stage: Any, drops_matter: Any = lambda before, after: False
+) -> dict[int, tuple[int, list[Any], bool]]:
+    """The runs of plain functions from ``start`` on to watch: first index -> (end, functions, drops matter).
+    Watched: those that may split items, and those between two stages for which ``drops_matter(before, after)``
+    (a stage that splits items and one that holds them)."""
+    runs: dict[int, tuple[int, list[Any], bool]] = {}
     index = start
     while index < len(stages):
         if is_stage(stages[index]):
@@ -83,7 +105,8 @@ def plain_runs(stages: list[Any], start: int, is_stage: Any) -> dict[int, tuple[
         while end < len(stages) and not is_stage(stages[end]):
             end += 1
         functions = stages[index:end]
-        if not all(at_most_one_per_item(function) for function in functions):
-            runs[index] = (end, functions)
+        drops = index > 0 and end < len(stages) and drops_matter(stages[index - 1], stages[end])
+        if drops or not all(at_most_one_per_item(function) for function in functions):
+            runs[index] = (end, functions, drops)
         index = end
     return runs
