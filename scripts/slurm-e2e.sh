@@ -338,6 +338,18 @@ task_states() {
 
 task_running() { [ "$(squeue -h -j "$1" -t RUNNING -o %i 2> /dev/null)" != "" ]; }
 
+# expect_completed JOB COUNT WHAT LOG...: all COUNT tasks of the finished JOB ended COMPLETED with exit 0;
+# else the logs' last lines and a failure naming WHAT and every task's state.
+expect_completed() {
+  local job=$1 count=$2 what=$3 states
+  shift 3
+  states=$(task_states "$job")
+  if [ "$(grep -c ' COMPLETED 0:0$' <<< "$states")" != "$count" ]; then
+    tail -n 20 "$@"
+    fail "$what tasks: $(tr '\n' ';' <<< "$states")"
+  fi
+}
+
 # Committed checkpoints of run $1 (every rank's marker written): their steps, one per line.
 committed_steps() {
   local dir name ws
@@ -446,11 +458,7 @@ log "convert: array job $CONVERT (2 tasks) submitted"
   > "$LOGS/plain-convert.log" 2>&1 \
   || fail "the plain wdsraft convert failed: $(tail -n 5 "$LOGS/plain-convert.log")"
 wait_until 300 "the convert array $CONVERT to end" job_gone "$CONVERT"
-states=$(task_states "$CONVERT")
-if [ "$(grep -c ' COMPLETED 0:0$' <<< "$states")" != 2 ]; then
-  tail -n 20 "$LOGS"/preshuffle-*.log
-  fail "convert array tasks: $(tr '\n' ';' <<< "$states")"
-fi
+expect_completed "$CONVERT" 2 "convert array" "$LOGS"/preshuffle-*.log
 log "convert: both tasks COMPLETED: $(compgen -G "$SHARDS" | wc -l) shards"
 (cd "$BASE/shards/train" && find . -maxdepth 1 -type f -print0 | sort -z | xargs -0 sha256sum) > "$LOGS/slurm.sha256"
 (cd "$BASE/plain/train" && find . -maxdepth 1 -type f -print0 | sort -z | xargs -0 sha256sum) > "$LOGS/plain.sha256"
@@ -512,11 +520,7 @@ submit_train 2
 J3=$TRAIN_JOB
 log "train: array job $J3 submitted, world size 2; waiting for its 10 tasks to end"
 wait_until 420 "array $J3 to end" job_gone "$J3"
-states=$(task_states "$J3")
-if [ "$(grep -c ' COMPLETED 0:0$' <<< "$states")" != 10 ]; then
-  tail -n 20 "$LOGS/wdsraft-train-${J3}_"*.out
-  fail "array $J3 tasks: $(tr '\n' ';' <<< "$states")"
-fi
+expect_completed "$J3" 10 "array $J3" "$LOGS/wdsraft-train-${J3}_"*.out
 done_tasks=$(grep -l "^rank 0/2: all $EPOCHS epochs done at step" "$LOGS/wdsraft-train-${J3}_"*.out | wc -l)
 [ "$done_tasks" -ge 1 ] || fail "no task of $J3 found the training done (\"all $EPOCHS epochs done\")"
 log "train: all 10 tasks of $J3 COMPLETED (exit 0); $done_tasks of them found all $EPOCHS epochs done at start"
@@ -550,11 +554,7 @@ MIX_JOB=${job%%;*}
 JOBS+=("$MIX_JOB")
 log "mixture: array job $MIX_JOB submitted (world size 2; weights $BEFORE, then $AFTER from task 1)"
 wait_until 300 "the mixture array $MIX_JOB to end" job_gone "$MIX_JOB"
-states=$(task_states "$MIX_JOB")
-if [ "$(grep -c ' COMPLETED 0:0$' <<< "$states")" != 2 ]; then
-  tail -n 20 "$LOGS/wdsraft-mixture-${MIX_JOB}_"*.out
-  fail "mixture array tasks: $(tr '\n' ';' <<< "$states")"
-fi
+expect_completed "$MIX_JOB" 2 "mixture array" "$LOGS/wdsraft-mixture-${MIX_JOB}_"*.out
 grep -q "^rank 0/2 run .*: fresh start at step 0, weights web 5" "$LOGS/wdsraft-mixture-${MIX_JOB}_0.out" \
   || fail "mixture task 0 did not start fresh with the first weights: $(tail -n 5 "$LOGS/wdsraft-mixture-${MIX_JOB}_0.out")"
 grep -q "^rank 0/2 run .*: elastic start at step 5, weights web 1" "$LOGS/wdsraft-mixture-${MIX_JOB}_1.out" \

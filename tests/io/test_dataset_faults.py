@@ -40,15 +40,28 @@ def test_every_sample_exactly_once_under_faults(remote) -> None:
     assert sum(r.fault is not None for r in proxy.log) == 4
 
 
-def test_resume_mid_shard_through_faults(remote) -> None:
+def _state_in_second_shard(remote) -> tuple[list[dict], list[dict], dict, int]:
+    """The clean read, its first 30 samples, the state after them (inside the second shard), and the byte
+    offset of the next sample there."""
     clean = list(_dataset(remote.urls))
     dataset = _dataset(remote.urls)
     stream = iter(dataset)
-    head = [next(stream) for _ in range(30)]  # into the second shard
+    head = [next(stream) for _ in range(30)]
     state = dataset.state_dict()
-    del stream
     offset = clean[30]["__offset__"]
     assert offset > 0 and clean[30]["__url__"] == remote.urls[1]
+    return clean, head, state, offset
+
+
+def _put_indexes(remote, put_remote) -> None:
+    """Each shard's index beside it on the remote."""
+    for url in remote.urls:
+        local = next(p for p in remote.local_paths if p.endswith(remote.name(url)))
+        put_remote(remote, remote.name(url) + ".idx", Path(local + ".idx").read_bytes())
+
+
+def test_resume_mid_shard_through_faults(remote) -> None:
+    clean, head, state, offset = _state_in_second_shard(remote)
     proxy = remote.proxy
     proxy.clear()
     proxy.inject(Truncate(after=7_000), path=remote.name(remote.urls[1]), range_start=offset)
@@ -104,9 +117,7 @@ def test_an_index_read_is_retried_like_its_shard(remote, put_remote, indexed: bo
     read with urllib3's unnamed ProtocolError)."""
     clean = list(_dataset(remote.urls))
     if indexed:
-        for url in remote.urls:
-            local = next(p for p in remote.local_paths if p.endswith(remote.name(url)))
-            put_remote(remote, remote.name(url) + ".idx", Path(local + ".idx").read_bytes())
+        _put_indexes(remote, put_remote)
     index = remote.name(remote.urls[1]) + ".idx"
     remote.proxy.clear()  # (the clean read asked for the indexes too)
     remote.proxy.inject(Drop(after=0), path=index)
@@ -115,3 +126,18 @@ def test_an_index_read_is_retried_like_its_shard(remote, put_remote, indexed: bo
     _assert_same(list(_dataset(remote.urls)), clean)
     assert time.monotonic() - started < 10  # smart_open's own retries waited out boto3's 60 s read timeout
     assert len(remote.proxy.requests(index)) == 3  # the drop, the stall, then the retry that reads it
+
+
+def test_a_resume_into_an_indexed_remote_shard_reads_it_from_the_offset_only(remote, put_remote) -> None:
+    """On S3, an index that says the shard is a plain tar spares the look at its first bytes (a request from
+    byte 0 before the ranged one from the offset). HTTP shards' indexes are not looked up (a missing one
+    cannot be told from a failure there): their first bytes are still looked at."""
+    _put_indexes(remote, put_remote)
+    clean, head, state, offset = _state_in_second_shard(remote)
+    remote.proxy.clear()
+    resumed = _dataset(remote.urls)
+    resumed.load_state_dict(state)
+    _assert_same(head + list(resumed), clean)
+    shard = remote.name(remote.urls[1])
+    reads = [r.range_start or 0 for r in remote.proxy.requests(shard) if not r.path.endswith(".idx")]
+    assert reads == ([0, offset] if remote.reader == "http" else [offset]), reads
