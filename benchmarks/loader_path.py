@@ -20,20 +20,17 @@ alternate within each round, their order reversed every other round; reported ar
 
 from __future__ import annotations
 
-import argparse
 import glob
 import json
-import os
 import pickle
 import resource
 import statistics
-import subprocess
 import sys
 import time
 import warnings
-from pathlib import Path
 
-REPOSITORY = Path(__file__).resolve().parent.parent
+from trees import in_turn, load, parse, run_child
+
 FIGURES = ("batched", "+ convert + pickle", "loader: training process", "loader: workers", "loader: wall")
 
 
@@ -85,36 +82,16 @@ def measure(pattern: str) -> dict[str, float]:
     return {figure: statistics.median(values) * 1e3 for figure, values in results.items()}
 
 
-def _load() -> str:
-    return Path("/proc/loadavg").read_text().split()[0]
-
-
 def main() -> None:
     if sys.argv[1:2] == ["--child"]:
         print(json.dumps(measure(sys.argv[2])))
         return
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shards", required=True, help="a glob of local shards (e.g. from wdsraft convert)")
-    parser.add_argument(
-        "--tree", action="append", default=[], help="NAME=PATH of a wdsraft checkout (repeatable; default after=.)"
-    )
-    parser.add_argument("--rounds", type=int, default=5)
-    args = parser.parse_args()
-    trees = dict(tree.split("=", 1) for tree in args.tree) or {"after": str(REPOSITORY)}
-    print(f"shards: {args.shards} ({len(glob.glob(args.shards))} files); load average before: {_load()}")
+    args, trees = parse(__doc__)
     results: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
     for number in range(args.rounds):
-        for name in list(trees) if number % 2 == 0 else list(trees)[::-1]:
-            environment = {**os.environ, "PYTHONPATH": str(Path(trees[name]).resolve())}
-            output = subprocess.run(
-                [sys.executable, __file__, "--child", args.shards],
-                env=environment,
-                capture_output=True,
-                text=True,
-                check=True,
-            )
-            results[name].append(json.loads(output.stdout))
-    print(f"load average after: {_load()}\n")
+        for name in in_turn(trees, number):
+            results[name].append(json.loads(run_child(__file__, trees[name], args.shards)))
+    print(f"load average after: {load()}\n")
     print("| ms per epoch (median of rounds) | " + " | ".join(trees) + " |")
     print("|---|" + "---:|" * len(trees))
     for figure in FIGURES:

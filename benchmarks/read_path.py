@@ -20,19 +20,16 @@ moves much less with the other work on the cores (it still grows somewhat with i
 
 from __future__ import annotations
 
-import argparse
 import glob
-import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 import warnings
-from pathlib import Path
+
+from trees import in_turn, load, parse, run_child
 
 LEVELS = ("tarfile_samples", "WebDataset", "WebDataset.decode()")
-REPOSITORY = Path(__file__).resolve().parent.parent
 
 
 def measure(level: str, pattern: str) -> tuple[float, float]:
@@ -67,30 +64,13 @@ def main() -> None:
     if sys.argv[1:2] == ["--child"]:
         print(*measure(sys.argv[2], sys.argv[3]))
         return
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shards", required=True, help="a glob of local shards (e.g. from wdsraft convert)")
-    parser.add_argument(
-        "--tree", action="append", default=[], help="NAME=PATH of a wdsraft checkout (repeatable; default after=.)"
-    )
-    parser.add_argument("--rounds", type=int, default=5)
-    args = parser.parse_args()
-    trees = dict(tree.split("=", 1) for tree in args.tree) or {"after": str(REPOSITORY)}
-    print(f"shards: {args.shards} ({len(glob.glob(args.shards))} files); load average before: {_load()}")
+    args, trees = parse(__doc__)
     results: dict[tuple[str, str], list[float]] = {(level, name): [] for level in LEVELS for name in trees}
     faults: dict[tuple[str, str], list[float]] = {(level, name): [] for level in LEVELS for name in trees}
     for number in range(args.rounds):
         for level in LEVELS:
-            names = list(trees) if number % 2 == 0 else list(trees)[::-1]
-            for name in names:
-                environment = {**os.environ, "PYTHONPATH": str(Path(trees[name]).resolve())}
-                output = subprocess.run(
-                    [sys.executable, __file__, "--child", level, args.shards],
-                    env=environment,
-                    check=True,
-                    capture_output=True,
-                    text=True,
-                )
-                cpu, page_faults = output.stdout.split()
+            for name in in_turn(trees, number):
+                cpu, page_faults = run_child(__file__, trees[name], level, args.shards).split()
                 results[(level, name)].append(float(cpu))
                 faults[(level, name)].append(float(page_faults))
     print(f"\n| level | {' | '.join(trees)} |")
@@ -101,11 +81,7 @@ def main() -> None:
             for name in trees
         ]
         print(f"| {level} | {' | '.join(cells)} |")
-    print(f"\nCPU per sample (page faults per epoch), medians of {args.rounds} rounds; load average after: {_load()}")
-
-
-def _load() -> str:
-    return Path("/proc/loadavg").read_text().split()[0]
+    print(f"\nCPU per sample (page faults per epoch), medians of {args.rounds} rounds; load average after: {load()}")
 
 
 if __name__ == "__main__":
