@@ -120,9 +120,22 @@ def test_the_state_names_the_raw_item_and_how_much_of_it_went_out(urls) -> None:
     assert [key for key, _ in resume(lambda: _pipeline(urls), states[-1])[:2]] == ["00000/2", "00001/0"]
 
 
-@pytest.mark.parametrize("tail", ["none", "shuffle", "parallel_map"])
+def lists(src: Iterator[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:
+    """Two lists per raw item, of 3 and of 2 items (then ``unlisted``: the stage that takes them holds a list)."""
+    for sample in src:
+        yield [{"__key__": f"{sample['__key__']}/{i}", "i": i} for i in range(3)]
+        yield [{"__key__": f"{sample['__key__']}/{i}", "i": i} for i in range(3, 5)]
+
+
+@pytest.mark.parametrize("tail", ["none", "shuffle", "parallel_map", "unlisted"])
 def test_a_state_taken_after_a_restore_part_way_through_an_item_resumes_too(urls, tail: str) -> None:
+    """Also where the first stage after the plain functions hands out what it held before pulling again
+    (``unlisted`` mid-list): a second state then still names the raw item's rest (it named nothing, and a
+    resume lost the raw item's second list)."""
+
     def make() -> wds.DataPipeline:
+        if tail == "unlisted":
+            return _pipeline(urls, wds.unlisted(), splitter=lists)
         after = {
             "none": [],
             "shuffle": [wds.shuffle(4, initial=4, seed=1)],
@@ -164,13 +177,15 @@ def every_other(src: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
             yield sample
 
 
-@pytest.mark.parametrize("after", ["shuffle", "batched"])
+@pytest.mark.parametrize("after", ["shuffle", "parallel_map", "batched"])
 def test_a_plain_splitter_after_a_stage_is_refused_once_seen_splitting(urls, after: str) -> None:
-    """After a stage (here shuffle, or batched and a splitter of batches) no state sees the rest of an item
-    the function is part-way through: states are refused from the first item seen to give several, instead
+    """After a stage (shuffle, parallel_map, or batched and a splitter of batches) no state sees the rest of an
+    item the function is part-way through: states are refused from the first item seen to give several, instead
     of resuming without the rest of it (shuffle then split3 used to lose or repeat items, silently)."""
     if after == "shuffle":
         stages: tuple[Any, ...] = (wds.shuffle(4, initial=4, seed=1), split3)
+    elif after == "parallel_map":
+        stages = (wds.parallel_map(identity, max_workers=2, prefetch_factor=1), split3)
     else:
         stages = (wds.batched(2, collation_fn=None), lambda src: (s for batch in src for s in batch))
     pipeline = _pipeline(urls, *stages, splitter=identity)

@@ -42,9 +42,10 @@ class PartialTracker:
             self.count += 1
 
     def next_address(self) -> list[Any]:
-        """The address of the next item of the current raw item, as a plain list ([] before any item)."""
+        """The address of the next item of the current raw item, as a plain list ([] before any item; right
+        after a restore, before anything went past, the restored one)."""
         base = self.base
-        if base is None or self.count == 0:
+        if base is None:
             return []
         return [*base[:-1], base[-1] + self.count]
 
