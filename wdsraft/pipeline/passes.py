@@ -20,7 +20,7 @@ from wdsraft.pipeline.batch import _Splitter
 from wdsraft.pipeline.client import ClientReader, client_reader_span, composed, passed_through
 from wdsraft.pipeline.nested import is_stateful_dataset, source_stage_of
 from wdsraft.pipeline.partial import PartialTracker, counted, rest_of_item
-from wdsraft.pipeline.splitwatch import SplitWatch, at_most_one_per_item, plain_runs
+from wdsraft.pipeline.splitwatch import SplitWatch, at_most_one_per_item, may_split, plain_runs
 from wdsraft.pipeline.stage import (
     Context,
     SourceStage,
@@ -68,7 +68,7 @@ class _Pass:
             after = range(self.source_index + 1, len(self.stages))
             self.boundary = next((i for i in after if isinstance(self.stages[i], Stage)), len(self.stages))
             self.plain = [s for s in self.stages[self.source_index + 1 : self.boundary] if s is not passed_through]
-            if self.plain:
+            if may_split(self.plain):  # (not for map, to_tuple...: they never split an item)
                 self.tracker = PartialTracker(self._source_rereads())
                 if self.tracker.rereads:
                     ctx.partial = self.tracker  # (the source keeps what re-reading its raw item needs)
@@ -197,8 +197,12 @@ class _Pass:
         if tracker is not None and tracker.rereads:
             states["partial"] = tracker.next_address()
         elif tracker is not None and (tracker.split or tracker.count > 1):
+            assert self.source_index is not None
+            after_source = enumerate(self.stages[self.source_index + 1 : self.boundary], self.source_index + 1)
             names = ", ".join(
-                f"stage {self.stages.index(s)} ({getattr(s, '__name__', type(s).__name__)})" for s in self.plain
+                f"stage {i} ({_name_of(s)})"
+                for i, s in after_source
+                if s is not passed_through and not at_most_one_per_item(s)
             )
             states["split"] = unresumable_state(
                 f"cannot save this pipeline: a plain function after its source ({names}) yields several items "

@@ -40,6 +40,11 @@ def at_most_one_per_item(function: Any) -> bool:
     )
 
 
+def may_split(functions: list[Any]) -> bool:
+    """Whether one of ``functions`` may give several items for one (not one of webdataset's one-for-one filters)."""
+    return not all(map(at_most_one_per_item, functions))  # (no generator frame: runs at every pass of every source)
+
+
 class SplitWatch:
     """One run of plain functions after a stage: whether it was seen yielding several items for one, and
     (``drops_matter``: between a stage that splits items and one that holds them) dropping one."""
@@ -106,7 +111,7 @@ def plain_runs(
             end += 1
         functions = stages[index:end]
         drops = index > 0 and end < len(stages) and drops_matter(stages[index - 1], stages[end])
-        if drops or not all(at_most_one_per_item(function) for function in functions):
+        if drops or may_split(functions):
             runs[index] = (end, functions, drops)
         index = end
     return runs
