@@ -34,3 +34,12 @@ def test_backoff_doubles_jittered_and_capped() -> None:
         delays = [policy.delay(attempt) for _ in range(200)]
         assert all(full / 2 <= d <= full for d in delays)
         assert max(delays) - min(delays) > full / 10  # jittered: workers that failed together spread out
+
+
+def test_the_s3_reader_client_pools_a_connection_per_concurrent_read() -> None:
+    """Indexes are read 32 at a time (EvalDataset, the ledger's identity checks) through the reader's client:
+    with boto3's pool of 10, urllib3 dropped a connection (a new TLS handshake, a warning) per read beyond it."""
+    from wdsraft.io.s3 import s3_reader_client
+    from wdsraft.io.threads import CONCURRENCY
+
+    assert s3_reader_client(1.0, 1.0).meta.config.max_pool_connections >= CONCURRENCY

@@ -15,6 +15,8 @@ import shutil
 from typing import Any, NamedTuple
 from urllib.parse import urlparse
 
+from wdsraft.io.threads import CONCURRENCY
+
 logger = logging.getLogger(__name__)
 
 
@@ -39,8 +41,14 @@ def _s3_reader_client_for(pid: int, endpoint_url: str | None, connect_timeout: f
     import boto3
     from botocore.config import Config
 
-    # One attempt per call: the shard reader retries itself, at the offset reached, and logs each retry.
-    config = Config(connect_timeout=connect_timeout, read_timeout=read_timeout, retries={"total_max_attempts": 1})
+    # One attempt per call: the shard reader retries itself, at the offset reached, and logs each retry. A pool
+    # as large as the threads that read indexes at once (boto3's 10 made urllib3 drop a connection per read).
+    config = Config(
+        connect_timeout=connect_timeout,
+        read_timeout=read_timeout,
+        retries={"total_max_attempts": 1},
+        max_pool_connections=CONCURRENCY,
+    )
     return boto3.session.Session().client("s3", endpoint_url=endpoint_url, config=config)
 
 
