@@ -8,7 +8,7 @@ from typing import Any
 from webdataset.handlers import reraise_exception
 
 from wdsraft.compat import FluidInterface
-from wdsraft.core.distributed import worker_info
+from wdsraft.core.distributed import rank_and_world_size
 from wdsraft.pipeline.datapipeline import DataPipeline
 from wdsraft.pipeline.evalsplit import EvalSplit
 from wdsraft.pipeline.source import TarfileToSamples
@@ -71,5 +71,5 @@ class EvalDataset(DataPipeline, FluidInterface):
 
 def _rank_of(rank: int | None, world_size: int | None) -> tuple[int, int]:
     """The rank and world size given, else this process's."""
-    info = worker_info()
-    return (info.rank if rank is None else rank), (info.world_size if world_size is None else world_size)
+    own_rank, own_world_size = rank_and_world_size()
+    return (own_rank if rank is None else rank), (own_world_size if world_size is None else world_size)

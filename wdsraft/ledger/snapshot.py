@@ -158,13 +158,11 @@ class Snapshot:
                 )
         return None
 
-    def runs_to_read(
-        self, lineage: dict[str, int], steps: dict[str, int | None] | None, late: Late | None = None
-    ) -> set[str]:
-        """The runs of a watermark (that this snapshot is within) whose files hold commits it lacks: those
-        it counts less far, and those with a late commit (see ``late_commits``) within its mark it lacks."""
+    def runs_to_read(self, lineage: dict[str, int], steps: dict[str, int | None] | None) -> set[str]:
+        """The runs of a watermark (that this snapshot is within) whose files hold commits it lacks: those it counts
+        less far (the runs with a late commit within its mark: ``stale``)."""
         mine = marks(self.lineage, self.steps)
-        return {run for run, mark in marks(lineage, steps).items() if mine.get(run) != mark} | self.stale(late or {})
+        return {run for run, mark in marks(lineage, steps).items() if mine.get(run) != mark}
 
     def stale(self, late: Late) -> set[str]:
         """The runs this snapshot covers of which a rank committed, at a step within its mark, after it was
