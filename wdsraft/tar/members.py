@@ -39,8 +39,11 @@ from wdsraft.tar.format import (
     parse_number,
     parse_pax_records,
 )
+from wdsraft.tar.runs import REFILL, SampleRuns
 
 _MAX_READ = 64 << 20
+#: The name of the item ``batches`` hands out for a run of whole samples (see ``TarMemberReader.runs``).
+SAMPLE_RUN = object()
 _DECOMPRESSORS = (gzip.GzipFile, bz2.BZ2File, lzma.LZMAFile)
 
 
@@ -70,6 +73,9 @@ class TarMemberReader:
         self._global_pax: dict[str, str] = {}
         self._seekable = _positioned_file(fileobj, start_offset)
         self._read_error: TarFormatError | None = None  # a stream error met after some bytes were read
+        #: Set by a sample reader with the shard's index: whole samples are taken from each buffer in runs
+        #: (handed out as one ``(SAMPLE_RUN, offset, samples)`` item), the rest member by member.
+        self.runs: SampleRuns | None = None
 
     def __iter__(self) -> Iterator[TarMember]:
         for batch in self.batches():
@@ -125,8 +131,12 @@ class TarMemberReader:
         filled = 0  # bytes of buf in use
         pos = 0  # position of the next header in buf; buf[0] is at archive offset `base`
         base = self.start_offset
+        runs = self.runs
+        until = -1  # with runs: the archive offset up to which members go one by one (no run starts before)
+        realign = False  # with runs: move the partial sample at the buffer's end to its front, read more
         while True:
-            if filled - pos < BLOCK:
+            if filled - pos < BLOCK or realign:
+                realign = False
                 if window is not None:
                     left = filled - pos  # (under one block: a member running past the buffer is read apart)
                     if left:
@@ -148,16 +158,31 @@ class TarMemberReader:
                 if filled < BLOCK:
                     raise TarFormatError(url, base, f"truncated header ({filled} of 512 bytes)")
 
+            # 0. Whole samples at once, where the index says they are (see wdsraft.tar.runs).
+            stop = end = filled  # (stop: where the member loop below hands back to the runs)
+            if runs is not None and runs.enabled and self._chain_start is None:
+                if base + pos >= until:
+                    samples, until = runs.take(buf, pos, filled, base)
+                    if samples is not None:
+                        run_start, pos = base + pos, until - base
+                        self.end_offset = until
+                        yield [(SAMPLE_RUN, run_start, samples)]
+                        continue
+                    if until == REFILL:
+                        realign = True
+                        continue
+                stop = min(end, until - base)
+
             # 1. Every member wholly inside the buffer, checksums checked together afterwards.
             batch: list[Any] = []  # TarMember, or with ``plain`` (name, offset, data) from the common path
             headers: list[int] = []  # buf positions of the headers parsed
             ends: list[int] = []  # per member: its end in buf (where the next header starts)
             failure: Exception | None = None
             ended = False
-            end = filled
             unchained = self._chain_start is None  # (no extended header waits for its member)
             try:
-                while end - pos >= BLOCK:
+                limit = end if stop >= end else stop - 1 + BLOCK  # (a header at or past `stop`: not read here)
+                while limit - pos >= BLOCK:
                     # The size field in its common layout (11 octal digits, then NUL), read for every header
                     # here and only here; None: another layout (or none), for _size to parse.
                     try:
@@ -221,7 +246,7 @@ class TarMemberReader:
                     raise TarFormatError(url, base + pos, "end-of-archive block inside an extended header chain")
                 self.end_offset = base + pos
                 return
-            if filled - pos < BLOCK:
+            if filled - pos < BLOCK or pos >= stop:
                 continue
 
             # 2. A member running past the buffer: check its header, read the rest in one call.

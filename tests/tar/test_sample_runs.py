@@ -1,0 +1,174 @@
+"""Runs of whole samples (``wdsraft.tar.runs``) against the member-by-member walk, which is the oracle:
+over shards with odd members among plain ones, damaged copies, small and large read buffers, starts at
+any sample and streams handed in, a reader taking runs hands out the same samples, the same positions
+after each one, and the same error at the same point, as a reader that walks every member."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import tarfile
+from array import array
+from pathlib import Path
+from typing import Any
+
+import pytest
+import webdataset
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from shardutil import without_positions
+
+import wdsraft as wds
+from wdsraft.core.fields import OFFSET_FIELD
+from wdsraft.index.shard_index import ShardIndex
+from wdsraft.tar import reader as reader_module
+from wdsraft.tar import runs as runs_module
+from wdsraft.tar.indexer import build_index
+
+#: Odd members a shard may hold among the plain ones, each handled by the general walk's own rules.
+ODD = ["upper", "dup", "dir", "meta", "long", "unicode", "noext", "hidden", "emptyext", "samekey", "three"]
+
+
+def _members(number: int, odd: str | None, size: int) -> list[tuple[str, bytes]]:
+    key = f"s{number:05d}"
+    text, meta = bytes([97 + number % 26]) * size, b'{"n": %d}' % number
+    plain = [(f"{key}.txt", text), (f"{key}.json", meta)]
+    return {
+        None: plain,
+        "upper": [(f"{key}.TXT", text), (f"{key}.Json", meta)],
+        "dup": [(f"{key}.txt", text), (f"{key}.TXT", meta)],
+        "dir": [(f"d/{key}.txt", text), (f"d/{key}.json", meta)],
+        "meta": [("__meta__", b"m"), *plain],
+        "long": [(f"{key}{'x' * 120}.txt", text), (f"{key}{'x' * 120}.json", meta)],
+        "unicode": [(f"{key}é.txt", text), (f"{key}é.json", meta)],
+        "noext": [(key, text), (f"{key}.json", meta)],
+        "hidden": [(f".{key}.txt", text), (f"{key}.json", meta)],
+        "emptyext": [(f"{key}.", text), (f"{key}.json", meta)],
+        "samekey": [(f"s{number - 1:05d}.bin", text)],  # the previous sample's key again
+        "three": [*plain, (f"{key}.seg.cls", b"%d" % number)],
+    }[odd]
+
+
+def _write(path: Path, shapes: list[tuple[str | None, int]]) -> None:
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+        for number, (odd, size) in enumerate(shapes):
+            for name, data in _members(number, odd, size):
+                info = tarfile.TarInfo(name)
+                info.size, info.mtime = len(data), 0
+                tar.addfile(info, io.BytesIO(data))
+
+
+def _index(path: Path) -> ShardIndex:
+    """The shard's index as the general walk sees its samples, members it refuses skipped (a duplicate
+    extension: the readers under test meet it with the default handler and raise)."""
+    offsets = array("Q")
+    with open(path, "rb") as stream:
+        reader = wds.ShardSampleReader(str(path), stream=stream, handler=lambda exn: True)
+        offsets.extend(sample[OFFSET_FIELD] for sample in reader)
+        offsets.append(reader.next_offset)
+    return ShardIndex(path.name, offsets, path.stat().st_size, None, None)
+
+
+def _events(url: str, start: int | None, via: str, block: int, index: ShardIndex) -> list[Any]:
+    """What a reader hands out, and its positions after each sample, then how it ends."""
+    events: list[Any] = []
+    with contextlib.ExitStack() as stack:
+        kw: dict[str, Any] = {"index": index}
+        if via == "stream":  # not a plain local file: buffers are bytes objects, not the reused window
+            kw["stream"] = stack.enter_context(open(url, "rb"))
+            if start:
+                kw["stream"].seek(start)
+        reader = wds.ShardSampleReader(url, offset=start or 0, ordinal=None, block_size=block, **kw)
+        try:
+            for sample in reader:
+                events.append((sample, reader.next_offset, reader.next_ordinal))
+        except Exception as exn:
+            events.append(("error", type(exn).__name__, str(exn)))
+        events.append(("end", reader.exhausted, reader.next_offset, reader.next_ordinal))
+    return events
+
+
+@pytest.fixture
+def eager_runs(monkeypatch):
+    """Runs from two samples on, never given up: the fast path takes whatever it can."""
+    monkeypatch.setattr(runs_module, "MIN_RUN", 2)
+    monkeypatch.setattr(runs_module, "MAX_MISSES", 10**9)
+
+
+def _without_runs(monkeypatch) -> None:
+    monkeypatch.setattr(reader_module.ShardSampleReader, "_runs", lambda self, index, digester: None)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    shapes=st.lists(
+        st.tuples(
+            st.sampled_from([None] * 4 * len(ODD) + ODD),  # (odd members now and then, plain runs between)
+            st.sampled_from([0, 1, 100, 511, 512, 513, 1500, 5000]),
+        ),
+        min_size=3,
+        max_size=60,
+    ),
+    damage=st.sampled_from(["none", "none", "flip", "truncate"]),
+    where=st.integers(0, 10**9),
+    start=st.integers(0, 10**9),
+    via=st.sampled_from(["path", "stream"]),
+    block=st.sampled_from([1024, 4096, 20000, 1 << 20]),
+)
+def test_runs_hand_out_what_the_member_walk_does(
+    eager_runs, monkeypatch, tmp_path: Path, shapes, damage: str, where: int, start: int, via: str, block: int
+):
+    shapes[0] = (None, shapes[0][1])  # ("samekey" needs a sample before it)
+    path = tmp_path / "shard.tar"
+    _write(path, shapes)
+    index = _index(path)
+    raw = bytearray(path.read_bytes())
+    if damage == "flip":
+        raw[where % index.offsets[-1]] ^= 1 << (where % 8)
+    elif damage == "truncate":
+        del raw[where % len(raw) :]
+    path.write_bytes(raw)
+    begin = index.offsets[start % index.num_samples] if start % 3 else 0
+    with_runs = _events(str(path), begin, via, block, index)
+    with monkeypatch.context() as patch:
+        _without_runs(patch)
+        walked = _events(str(path), begin, via, block, index)
+    assert with_runs == walked
+
+
+def test_a_converted_shard_is_read_in_runs(tmp_path: Path, monkeypatch):
+    """With the default settings, a shard of small samples goes out almost wholly in runs (the shard's
+    last sample and a partial run at its end go the general way), equal to webdataset's reading."""
+    path = tmp_path / "plain.tar"
+    _write(path, [(None, 50 + (n * 37) % 900) for n in range(400)])
+    build_index(str(path)).save(str(path))
+    taken: list[int] = []
+    take = runs_module.SampleRuns.take
+
+    def counting(self, *args):
+        samples, until = take(self, *args)
+        taken.append(len(samples) if samples is not None else 0)
+        return samples, until
+
+    monkeypatch.setattr(runs_module.SampleRuns, "take", counting)
+    ours = list(wds.WebDataset([str(path)], shardshuffle=False))
+    assert sum(taken) >= 360
+    theirs = list(webdataset.WebDataset([str(path)], shardshuffle=False))
+    assert without_positions(ours) == theirs
+    with monkeypatch.context() as patch:
+        _without_runs(patch)
+        assert list(wds.WebDataset([str(path)], shardshuffle=False)) == ours
+
+
+def test_runs_give_way_where_every_sample_is_odd(tmp_path: Path, monkeypatch):
+    """Names in directories (every sample the general way): after a few tries the reader stops trying,
+    however many buffers the shard takes."""
+    path = tmp_path / "dirs.tar"
+    _write(path, [("dir", 100)] * 300)
+    build_index(str(path)).save(str(path))
+    calls = []
+    take = runs_module.SampleRuns.take
+    monkeypatch.setattr(runs_module.SampleRuns, "take", lambda self, *a: calls.append(1) or take(self, *a))
+    samples = list(wds.ShardSampleReader(str(path), block_size=4096))
+    assert len(samples) == 300 and samples[7]["__key__"] == "d/s00007"
+    assert len(calls) <= 2 * runs_module.MAX_MISSES  # (a miss, each perhaps after a refill to align the buffer)
