@@ -25,20 +25,32 @@ from wdsraft.tar import reader as reader_module
 from wdsraft.tar import runs as runs_module
 from wdsraft.tar.indexer import build_index
 
-#: Odd members a shard may hold among the plain ones, each handled by the general walk's own rules.
-ODD = ["upper", "dup", "dir", "meta", "long", "unicode", "noext", "hidden", "emptyext", "samekey", "three"]
+#: Odd members a shard may hold among the plain ones, each handled by the general walk's own rules;
+#: the "stale" ones are read against the index of a twin shard that differs there (a key, a size).
+ODD = [
+    "upper", "dup", "dir", "dotdir", "meta", "dotmeta", "long", "unicode", "control", "noext", "hidden",
+    "emptyext", "samekey", "three", "stalekey", "stalesize",
+]  # fmt: skip
 
 
-def _members(number: int, odd: str | None, size: int) -> list[tuple[str, bytes]]:
+def _members(number: int, odd: str | None, size: int, twin: bool = False) -> list[tuple[str, bytes]]:
     key = f"s{number:05d}"
     text, meta = bytes([97 + number % 26]) * size, b'{"n": %d}' % number
     plain = [(f"{key}.txt", text), (f"{key}.json", meta)]
+    if odd == "stalekey":  # the previous sample's key here, its own in the twin the index comes from
+        other = f"{'t' if twin else 's'}{number - 1:05d}"
+        return [(f"{other}.bin", text), (f"{other}.cls", meta)]
+    if odd == "stalesize":
+        return [(f"{key}.txt", text + bytes(700) if twin else text), (f"{key}.json", meta)]
     return {
         None: plain,
         "upper": [(f"{key}.TXT", text), (f"{key}.Json", meta)],
         "dup": [(f"{key}.txt", text), (f"{key}.TXT", meta)],
         "dir": [(f"d/{key}.txt", text), (f"d/{key}.json", meta)],
+        "dotdir": [(f"v1.0/{key}.txt", text), (f"v1.0/{key}.json", meta)],
         "meta": [("__meta__", b"m"), *plain],
+        "dotmeta": [("__info.x__", b"m"), *plain],
+        "control": [(f"{key}.t\x01xt", text), (f"{key}\x01.json", meta)],
         "long": [(f"{key}{'x' * 120}.txt", text), (f"{key}{'x' * 120}.json", meta)],
         "unicode": [(f"{key}é.txt", text), (f"{key}é.json", meta)],
         "noext": [(key, text), (f"{key}.json", meta)],
@@ -49,10 +61,12 @@ def _members(number: int, odd: str | None, size: int) -> list[tuple[str, bytes]]
     }[odd]
 
 
-def _write(path: Path, shapes: list[tuple[str | None, int]]) -> None:
-    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+def _write(path: Path, shapes: list[tuple[str | None, int]], twin: bool = False, gnu: bool = False) -> None:
+    """The shard (PAX format: extended headers for long and non-ASCII names; GNU: long-name headers, and
+    non-ASCII names as UTF-8 bytes in the header itself)."""
+    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT if gnu else tarfile.PAX_FORMAT) as tar:
         for number, (odd, size) in enumerate(shapes):
-            for name, data in _members(number, odd, size):
+            for name, data in _members(number, odd, size, twin):
                 info = tarfile.TarInfo(name)
                 info.size, info.mtime = len(data), 0
                 tar.addfile(info, io.BytesIO(data))
@@ -99,11 +113,11 @@ def _without_runs(monkeypatch) -> None:
     monkeypatch.setattr(reader_module.ShardSampleReader, "_runs", lambda self, index, digester: None)
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     shapes=st.lists(
         st.tuples(
-            st.sampled_from([None] * 4 * len(ODD) + ODD),  # (odd members now and then, plain runs between)
+            st.sampled_from([None] * 7 * len(ODD) + ODD),  # (odd members now and then, plain runs between)
             st.sampled_from([0, 1, 100, 511, 512, 513, 1500, 5000]),
         ),
         min_size=3,
@@ -114,14 +128,16 @@ def _without_runs(monkeypatch) -> None:
     start=st.integers(0, 10**9),
     via=st.sampled_from(["path", "stream"]),
     block=st.sampled_from([1024, 4096, 20000, 1 << 20]),
+    gnu=st.booleans(),
 )
 def test_runs_hand_out_what_the_member_walk_does(
-    eager_runs, monkeypatch, tmp_path: Path, shapes, damage: str, where: int, start: int, via: str, block: int
+    eager_runs, monkeypatch, tmp_path: Path, shapes, damage: str, where: int, start: int, via: str, block: int, gnu
 ):
     shapes[0] = (None, shapes[0][1])  # ("samekey" needs a sample before it)
-    path = tmp_path / "shard.tar"
-    _write(path, shapes)
-    index = _index(path)
+    path, twin = tmp_path / "shard.tar", tmp_path / "twin.tar"
+    _write(path, shapes, gnu=gnu)
+    _write(twin, shapes, twin=True, gnu=gnu)
+    index = _index(twin)  # (the shard's own index, but where a stale odd member says otherwise)
     raw = bytearray(path.read_bytes())
     if damage == "flip":
         raw[where % index.offsets[-1]] ^= 1 << (where % 8)
@@ -172,3 +188,34 @@ def test_runs_give_way_where_every_sample_is_odd(tmp_path: Path, monkeypatch):
     samples = list(wds.ShardSampleReader(str(path), block_size=4096))
     assert len(samples) == 300 and samples[7]["__key__"] == "d/s00007"
     assert len(calls) <= 2 * runs_module.MAX_MISSES  # (a miss, each perhaps after a refill to align the buffer)
+
+
+@pytest.mark.parametrize("odd", ["dup", "stalekey"])
+def test_a_run_never_holds_what_the_member_walk_refuses(eager_runs, monkeypatch, tmp_path: Path, odd: str):
+    """One odd sample among plain ones, all in one buffer: a run over it would hand out a sample short of
+    a member (two extensions alike) or start a sample where the general walk goes on with the last one."""
+    path, twin = tmp_path / "shard.tar", tmp_path / "twin.tar"
+    shapes = [(None, 100)] * 10 + [(odd, 100)] + [(None, 100)] * 10
+    _write(path, shapes)
+    _write(twin, shapes, twin=True)
+    index = _index(twin)
+    with_runs = _events(str(path), 0, "path", 1 << 20, index)
+    with monkeypatch.context() as patch:
+        _without_runs(patch)
+        assert with_runs == _events(str(path), 0, "path", 1 << 20, index)
+    assert with_runs[-2][0] == "error"
+
+
+def test_a_run_does_not_start_with_the_key_of_the_sample_before(tmp_path: Path):
+    """Where the index starts a sample whose key is the last one's, a run does not start there (the
+    general walk would go on with the last sample: the index is not this shard's)."""
+    path = tmp_path / "shard.tar"
+    _write(path, [(None, 100)] * 80)
+    index = _index(path)
+    runs = runs_module.SampleRuns(str(path), index.offsets)
+    runs.ordinal, runs.key = 9, "s00010"  # (the key of the sample at the run's start)
+    raw = path.read_bytes()
+    assert runs.take(raw, index.offsets[10], len(raw), 0)[0] is None
+    runs.key = "s00009"
+    samples, _ = runs.take(raw, index.offsets[10], len(raw), 0)
+    assert samples is not None and samples[0]["__key__"] == "s00010"
