@@ -85,9 +85,9 @@ def test_a_plain_splitter_inside_a_webloader(urls, workers: int) -> None:
     assert sorted(key for key, _ in stream) == sorted(f"{n:05d}/{i}" for n in range(N) for i in range(3))
 
 
-def _after_loader(urls: list[str], *after: Any) -> wds.DataPipeline:
+def _after_loader(urls: list[str], *after: Any, function: Any = split3) -> wds.DataPipeline:
     dataset = wds.DataPipeline(wds.SimpleShardList(urls), wds.tarfile_to_samples(), wds.decode())
-    return wds.DataPipeline(wds.WebLoader(dataset, batch_size=None, num_workers=0), split3, *after)
+    return wds.DataPipeline(wds.WebLoader(dataset, batch_size=None, num_workers=0), function, *after)
 
 
 def test_a_plain_splitter_after_a_webloader_then_shuffle(urls) -> None:
@@ -251,3 +251,86 @@ def test_a_filter_between_a_split_and_a_buffer_that_keeps_everything_resumes(url
         ),
         same_shape=False,
     )
+
+
+def _exact_or_refused(make: Any) -> tuple[int, int]:
+    """Take a state after every item of an uninterrupted run: each either resumes to exactly the rest of the
+    stream or is refused (``StateMismatchError``). Returns (exact, refused) counts."""
+    pipeline = make()
+    stream = [identity_of(item) for item in make()]
+    items = iter(pipeline)
+    exact = refused = 0
+    for k in range(len(stream) + 1):
+        try:
+            state = pipeline.state_dict()
+        except wds.StateMismatchError:
+            refused += 1
+        else:
+            assert resume(make, state) == stream[k:], f"state after {k} items resumes wrong"
+            exact += 1
+        if k < len(stream):
+            assert identity_of(next(items)) == stream[k]
+    return exact, refused
+
+
+def _to_list3(sample: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{"__key__": f"{sample['__key__']}/{i}", "i": i} for i in range(3)]
+
+
+@pytest.mark.parametrize("where", ["after_loader", "after_shuffle", "after_parallel_map"])
+@pytest.mark.parametrize("splitter", ["split3", "uneven", "every_other"])
+def test_a_state_after_the_first_item_of_a_split_item_is_exact_or_refused(urls, where: str, splitter: str) -> None:
+    """A state taken after the first item a plain function gave for an item, before any split was seen, was
+    accepted and resumed without the rest of that item. The pass now pulls the function's next item when such
+    a state is asked for (and hands it out next): from the same item, the state is refused; else it is exact.
+    A function that never splits (``every_other``) keeps all its states."""
+    function = {"split3": split3, "uneven": uneven, "every_other": every_other}[splitter]
+
+    def make() -> wds.DataPipeline:
+        if where == "after_loader":
+            return _after_loader(urls, function=function)
+        stage = (
+            wds.shuffle(4, initial=4, seed=1)
+            if where == "after_shuffle"
+            else wds.parallel_map(identity, max_workers=2, prefetch_factor=1)
+        )
+        return _pipeline(urls, stage, function, splitter=identity)
+
+    exact, refused = _exact_or_refused(make)
+    assert exact > 0  # (at least the state before the first item)
+    if splitter == "every_other":
+        assert refused == 0
+    else:
+        assert refused > 0
+
+
+def lists_of_3(src: Iterator[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:
+    """One list per item, written as a generator (so watched: it may split)."""
+    for sample in src:
+        yield _to_list3(sample)
+
+
+def test_an_item_pulled_ahead_that_waits_while_items_go_out_keeps_the_states_exact(urls) -> None:
+    """``unlisted`` hands out the rest of a list without pulling: the list a state pulled ahead out of the run
+    before it waits there across several items out, and the states taken meanwhile must still describe the
+    stages before the run as they were before that pull. Two watched runs, one after the other, too."""
+
+    def make() -> wds.DataPipeline:
+        return _pipeline(
+            urls,
+            wds.shuffle(4, initial=4, seed=1),
+            lists_of_3,
+            wds.unlisted(),
+            one_for_one,
+            wds.shuffle(3, initial=3, seed=2),
+            lambda src: (dict(item, seen=True) for item in src),
+            splitter=identity,
+        )
+
+    exact, refused = _exact_or_refused(make)
+    assert (exact, refused) == (N * 3 + 1, 0)
+
+
+def one_for_one(src: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """A generator (so watched) that hands each item on."""
+    yield from src

@@ -19,8 +19,8 @@ from wdsraft.pipeline.addresses import Address
 from wdsraft.pipeline.batch import _Splitter
 from wdsraft.pipeline.client import ClientReader, client_reader_span, composed, passed_through
 from wdsraft.pipeline.nested import is_stateful_dataset, source_stage_of
-from wdsraft.pipeline.partial import PartialTracker, counted, rest_of_item
-from wdsraft.pipeline.splitwatch import SplitWatch, at_most_one_per_item, may_split, plain_runs
+from wdsraft.pipeline.partial import PartialTracker, counted, handed_out, rest_of_item
+from wdsraft.pipeline.splitwatch import Lookahead, SplitWatch, at_most_one_per_item, may_split, plain_runs
 from wdsraft.pipeline.stage import (
     Context,
     SourceStage,
@@ -64,6 +64,8 @@ class _Pass:
         self.boundary = len(self.stages)
         self.plain: list[Any] = []
         self.tracker: PartialTracker | None = None
+        #: Where the source cannot re-read: what a state pulls out of those plain functions (see ``_peek``).
+        self.source_ahead: Lookahead | None = None
         if self.source_index is not None:
             after = range(self.source_index + 1, len(self.stages))
             self.boundary = next((i for i in after if isinstance(self.stages[i], Stage)), len(self.stages))
@@ -75,6 +77,8 @@ class _Pass:
                     saved = self.states.get("partial")
                     if saved:  # (before anything goes past, the state still says where the restore starts)
                         self.tracker.serial, self.tracker.base = -2, tuple(saved)
+                else:
+                    self.source_ahead = Lookahead(self.source_index + 1, ctx)
         # Plain functions after a later stage: watched where they may split items (see splitwatch).
         self.watches: dict[int, tuple[int, SplitWatch]] = {}
         if self.source_index is not None:
@@ -87,7 +91,7 @@ class _Pass:
                 ]
                 around = f"stage {first - 1} ({type(self.stages[first - 1]).__name__})"
                 around += f" and stage {end} ({type(self.stages[end]).__name__})" if end < len(self.stages) else ""
-                self.watches[first] = (end, SplitWatch(names, drops, around))
+                self.watches[first] = (end, SplitWatch(names, drops, around, first, may_split(functions), ctx))
 
     def _source_rereads(self) -> bool:
         """Whether the source can re-read the raw item it read last: a seek (the tar reader), or a source that
@@ -149,7 +153,9 @@ class _Pass:
         saved = self.states.get("partial")
         if saved and self.tracker.rereads:
             items = chain(rest_of_item(self.ctx, self.ctx.source, self.plain, saved), items)
-        return items if self.boundary == len(self.stages) else counted(self.ctx, items, self.tracker)
+        if self.boundary < len(self.stages):
+            items = counted(self.ctx, items, self.tracker)
+        return items if self.source_ahead is None else handed_out(self.source_ahead, items)
 
     def _rematerializer(self, index: int) -> Callable[[list[Address]], list[Any]]:
         """Re-create the items a stage held: re-read raw items, replay the stateless stages in between."""
@@ -177,6 +183,54 @@ class _Pass:
         return rematerialize
 
     def state(self) -> dict[str, Any]:
+        states = self._stage_states()
+        # An item a state pulled out of a run is still held: the stages before the run stand where they were
+        # before the pull (the upstream-most run's pull last: it came first).
+        held = [self.source_ahead] if self.source_ahead is not None and self.source_ahead.held else []
+        held += [watch.ahead for _, watch in self.watches.values() if watch.ahead.held]
+        for ahead in sorted(held, key=lambda ahead: ahead.first, reverse=True):
+            states.update(copy.deepcopy(ahead.state))
+        refused = next((watch for _, watch in self.watches.values() if watch.refused), None)
+        self._peek(states)
+        tracker = self.tracker
+        if tracker is not None and not tracker.rereads and (tracker.split or tracker.count > 1):
+            states["split"] = self._source_split_refusal()
+        split = refused or next((watch for _, watch in self.watches.values() if watch.split), None)
+        if split is not None:
+            states["split_after"] = unresumable_state(split.refusal())
+        if self.ctx.unsaved:
+            states["unsaved"] = unresumable_state(
+                f"cannot save this pipeline: {', '.join(self.ctx.unsaved)} runs as a plain function inside it "
+                "(wds.filters._shuffle(src), stage(src)...), so what it holds is saved nowhere; put the stage "
+                "itself in the pipeline (wds.shuffle(...))"
+            )
+        return states
+
+    def _peek(self, states: dict[str, Any]) -> None:
+        """A state taken right after the first item out of a plain run for an item (and where the run's next one
+        would come from is unknown) pulls that next item (``splitwatch.Lookahead``): one from the same item marks
+        the run as splitting (the state is refused); else the state is exact, and the stages before the run keep
+        ``states`` until the item pulled goes out. Costs nothing per item: only states taken there pull."""
+        tracker, ahead = self.tracker, self.source_ahead
+        if tracker is not None and ahead is not None and tracker.count == 1 and not tracker.split:
+            serial = tracker.serial
+            if ahead.pull(self._before(states, ahead.first)) and ahead.stamp[1] == serial:
+                tracker.split = True  # (a second item of the same raw item)
+        for first, (_, watch) in sorted(self.watches.items()):
+            if watch.unsure():
+                watch.peek(self._before(states, first))
+
+    @staticmethod
+    def _before(states: dict[str, Any], first: int) -> dict[str, Any]:
+        """The states of the stages before index ``first`` (and where the source's plain functions are)."""
+        return {
+            key: copy.deepcopy(value)
+            for key, value in states.items()
+            if key == "partial" or (key.isdigit() and int(key) < first)
+        }
+
+    def _stage_states(self) -> dict[str, Any]:
+        """Each stage's state, the source's and the partial-item tracker's, as they stand."""
         states: dict[str, Any] = {}
         live: list[Address] = []
         for index, stage in enumerate(self.stages):
@@ -193,32 +247,23 @@ class _Pass:
             if source.needs_live_addresses:
                 live = self.ctx.live_addresses()
             states[str(self.source_index)] = source.source_state(live)
-        tracker = self.tracker
-        if tracker is not None and tracker.rereads:
-            states["partial"] = tracker.next_address()
-        elif tracker is not None and (tracker.split or tracker.count > 1):
-            assert self.source_index is not None
-            after_source = enumerate(self.stages[self.source_index + 1 : self.boundary], self.source_index + 1)
-            names = ", ".join(
-                f"stage {i} ({_name_of(s)})"
-                for i, s in after_source
-                if s is not passed_through and not at_most_one_per_item(s)
-            )
-            states["split"] = unresumable_state(
-                f"cannot save this pipeline: a plain function after its source ({names}) yields several items "
-                "per item, and the source cannot re-read the item it is part-way through, so a restore would "
-                "lose the rest of it; make the split a stage: wds.map(to_list) then wds.unlisted()"
-            )
-        split = next((watch for _, watch in self.watches.values() if watch.refused), None)
-        if split is not None:
-            states["split_after"] = unresumable_state(split.refusal())
-        if self.ctx.unsaved:
-            states["unsaved"] = unresumable_state(
-                f"cannot save this pipeline: {', '.join(self.ctx.unsaved)} runs as a plain function inside it "
-                "(wds.filters._shuffle(src), stage(src)...), so what it holds is saved nowhere; put the stage "
-                "itself in the pipeline (wds.shuffle(...))"
-            )
+        if self.tracker is not None and self.tracker.rereads:
+            states["partial"] = self.tracker.next_address()
         return states
+
+    def _source_split_refusal(self) -> dict[str, Any]:
+        assert self.source_index is not None
+        after_source = enumerate(self.stages[self.source_index + 1 : self.boundary], self.source_index + 1)
+        names = ", ".join(
+            f"stage {i} ({_name_of(s)})"
+            for i, s in after_source
+            if s is not passed_through and not at_most_one_per_item(s)
+        )
+        return unresumable_state(
+            f"cannot save this pipeline: a plain function after its source ({names}) yields several items "
+            "per item, and the source cannot re-read the item it is part-way through, so a restore would "
+            "lose the rest of it; make the split a stage: wds.map(to_list) then wds.unlisted()"
+        )
 
 
 class _Iteration:
