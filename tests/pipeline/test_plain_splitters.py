@@ -334,3 +334,36 @@ def test_an_item_pulled_ahead_that_waits_while_items_go_out_keeps_the_states_exa
 def one_for_one(src: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
     """A generator (so watched) that hands each item on."""
     yield from src
+
+
+def _keep_some(item: dict[str, Any]) -> dict[str, Any] | None:
+    return item if (int(item["__key__"][:5]) + item["i"]) % 3 != 0 else None
+
+
+@pytest.mark.parametrize("split", ["unlisted", "plain"])
+def test_a_parallel_filter_map_that_drops_between_a_split_and_a_buffer_is_refused(urls, split: str) -> None:
+    """As a plain filter there: the buffer after it numbers the items of a split group it received, a restore
+    re-reads the whole group (``parallel_filter_map`` drops again), so it would restore other items. States
+    are refused from the first drop; before it, and with nothing dropped, they resume exactly."""
+
+    def make(fn: Any = _keep_some) -> wds.DataPipeline:
+        splitting = (wds.map(_pieces), wds.unlisted()) if split == "unlisted" else ()
+        return _pipeline(
+            urls,
+            *splitting,
+            wds.parallel_filter_map(fn, max_workers=2, prefetch_factor=1),
+            wds.shuffle(5, initial=5, seed=1),
+            splitter=identity if split == "unlisted" else split3,
+        )
+
+    exact, refused = _exact_or_refused(make)
+    assert exact > 0 and refused > 0
+    pipeline = make()
+    items = iter(pipeline)
+    for _ in range(8):
+        next(items)
+    with pytest.raises(
+        wds.StateMismatchError, match=r"stage \d \(parallel_filter_map\) dropped an item.*stage \d \(shuffle\)"
+    ):
+        pipeline.state_dict()
+    assert _exact_or_refused(lambda: make(identity))[1] == 0

@@ -20,7 +20,14 @@ from wdsraft.pipeline.batch import _Splitter
 from wdsraft.pipeline.client import ClientReader, client_reader_span, composed, passed_through
 from wdsraft.pipeline.nested import is_stateful_dataset, source_stage_of
 from wdsraft.pipeline.partial import PartialTracker, counted, handed_out, rest_of_item
-from wdsraft.pipeline.splitwatch import Lookahead, SplitWatch, at_most_one_per_item, may_split, plain_runs
+from wdsraft.pipeline.splitwatch import (
+    Lookahead,
+    SplitWatch,
+    at_most_one_per_item,
+    dropping_stages,
+    may_split,
+    plain_runs,
+)
 from wdsraft.pipeline.stage import (
     Context,
     SourceStage,
@@ -92,6 +99,11 @@ class _Pass:
                 around = f"stage {first - 1} ({type(self.stages[first - 1]).__name__})"
                 around += f" and stage {end} ({type(self.stages[end]).__name__})" if end < len(self.stages) else ""
                 self.watches[first] = (end, SplitWatch(names, drops, around, first, may_split(functions), ctx))
+        # Stages that drop items (parallel_filter_map) between a split and a buffer: refused once they drop.
+        self.dropping: dict[int, int] = {}
+        if self.source_index is not None:
+            split_at = self.boundary if self.tracker is not None else -1
+            self.dropping = dropping_stages(self.stages, _is_stage, _splits, _holds, split_at)
 
     def _source_rereads(self) -> bool:
         """Whether the source can re-read the raw item it read last: a seek (the tar reader), or a source that
@@ -198,6 +210,9 @@ class _Pass:
         split = refused or next((watch for _, watch in self.watches.values() if watch.split), None)
         if split is not None:
             states["split_after"] = unresumable_state(split.refusal())
+        dropped = next((index for index in self.dropping if self.stages[index].dropped), None)
+        if dropped is not None:
+            states["dropped"] = unresumable_state(self._drop_refusal(dropped))
         if self.ctx.unsaved:
             states["unsaved"] = unresumable_state(
                 f"cannot save this pipeline: {', '.join(self.ctx.unsaved)} runs as a plain function inside it "
@@ -250,6 +265,15 @@ class _Pass:
         if self.tracker is not None and self.tracker.rereads:
             states["partial"] = self.tracker.next_address()
         return states
+
+    def _drop_refusal(self, index: int) -> str:
+        holder = self.dropping[index]
+        return (
+            f"cannot save this pipeline: stage {index} ({type(self.stages[index]).__name__}) dropped an item of a "
+            f"split group before stage {holder} ({type(self.stages[holder]).__name__}), which numbers the items it "
+            "holds where a restore re-reads them all (and drops again), so it would restore other items; filter "
+            "before the split or after the buffering stage"
+        )
 
     def _source_split_refusal(self) -> dict[str, Any]:
         assert self.source_index is not None
@@ -489,6 +513,14 @@ _NOTHING = object()
 
 def _is_stage(stage: Any) -> bool:
     return isinstance(stage, Stage) or stage is passed_through
+
+
+def _splits(stage: Any) -> bool:
+    return isinstance(stage, _Splitter)
+
+
+def _holds(stage: Any) -> bool:
+    return isinstance(stage, Stage) and stage.holds_items
 
 
 def _drops_matter(before: Any, after: Any) -> bool:

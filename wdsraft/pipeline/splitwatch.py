@@ -207,3 +207,20 @@ def plain_runs(
             runs[index] = (end, functions, drops)
         index = end
     return runs
+
+
+def dropping_stages(stages: list[Any], is_stage: Any, splits: Any, holds: Any, split_at: int = -1) -> dict[int, int]:
+    """Stages that drop items (``drops_none``: ``parallel_filter_map``) between one that splits items
+    (``splits(stage)``; or at index ``split_at``, the first stage after plain functions that split the source's
+    items) and one that holds items (``holds(stage)``), plain functions aside: index -> the holder's index.
+    As for a plain filter there, a drop makes states refused (the holder numbers the items it received)."""
+    found: dict[int, int] = {}
+    for index, stage in enumerate(stages):
+        if not getattr(stage, "drops_none", False):
+            continue
+        before = next((i for i in range(index - 1, -1, -1) if is_stage(stages[i])), None)
+        after = next((i for i in range(index + 1, len(stages)) if is_stage(stages[i])), None)
+        split = index == split_at or (before is not None and splits(stages[before]))
+        if split and after is not None and holds(stages[after]):
+            found[index] = after
+    return found
