@@ -4,6 +4,7 @@ item's address and how many of its items went past; a restore re-reads it and dr
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 from typing import Any
 
@@ -198,7 +199,7 @@ def test_a_plain_splitter_after_a_stage_is_refused_once_seen_splitting(urls, aft
 
 def test_plain_filters_after_a_stage_keep_their_state(urls, monkeypatch) -> None:
     """A generator that only drops items is watched and never refused; webdataset's one-for-one filters
-    (map, to_tuple, select...) are not even watched."""
+    (decode, map, to_tuple, select...) are not even watched (nor pulled ahead when a state is taken)."""
     assert_resumes_everywhere(
         lambda: _pipeline(urls, wds.shuffle(4, initial=4, seed=1), every_other, splitter=identity)
     )
@@ -209,13 +210,14 @@ def test_plain_filters_after_a_stage_keep_their_state(urls, monkeypatch) -> None
 
     monkeypatch.setattr(splitwatch.SplitWatch, "pulled", never)
     assert_resumes_everywhere(
-        lambda: _pipeline(
-            urls,
+        lambda: wds.DataPipeline(
+            wds.SimpleShardList(urls),
+            wds.tarfile_to_samples(),
             wds.shuffle(4, seed=1),
+            wds.decode(),
             wds.map(identity),
             wds.select(bool),
-            wds.to_tuple("__key__"),
-            splitter=identity,
+            wds.to_tuple("__key__", "txt"),
         )
     )
 
@@ -367,3 +369,28 @@ def test_a_parallel_filter_map_that_drops_between_a_split_and_a_buffer_is_refuse
     ):
         pipeline.state_dict()
     assert _exact_or_refused(lambda: make(identity))[1] == 0
+
+
+def test_an_item_pulled_ahead_and_never_handed_out_leaves_a_live_rng_as_it_was(urls) -> None:
+    """A ``with_epoch`` window that closes while a run holds what a state pulled ahead: the item never goes
+    out, and the shuffle's live RNG (drawn on from one iteration to the next) goes back to where it was before
+    the pull, so taking states does not change the next iteration's order; and each state resumes exactly."""
+
+    def make() -> wds.DataPipeline:
+        return _pipeline(
+            urls, wds.shuffle(4, initial=4, rng=random.Random(5)), lists_of_3, wds.unlisted(), splitter=identity
+        ).with_epoch(8)  # (the window closes on a list's second item: the next list was pulled ahead)
+
+    def two_windows(take_states: bool) -> list[Any]:
+        pipeline = make()
+        stream = []
+        for _ in range(2):
+            for item in pipeline:
+                stream.append(identity_of(item))
+                if take_states:
+                    pipeline.state_dict()
+        return stream
+
+    assert two_windows(True) == two_windows(False)
+    exact, refused = _exact_or_refused(make)
+    assert (exact, refused) == (9, 0)

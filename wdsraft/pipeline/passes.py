@@ -27,6 +27,8 @@ from wdsraft.pipeline.splitwatch import (
     dropping_stages,
     may_split,
     plain_runs,
+    rewind_live_rngs,
+    states_before,
 )
 from wdsraft.pipeline.stage import (
     Context,
@@ -194,16 +196,17 @@ class _Pass:
 
         return rematerialize
 
-    def state(self) -> dict[str, Any]:
+    def state(self, peek: bool = True) -> dict[str, Any]:
+        """The pass's state; ``peek``: pull ahead where a plain run may be part-way through an item (not when the
+        pass ends right after this state, as at a full ``with_epoch`` window: it would never hand the item out)."""
         states = self._stage_states()
         # An item a state pulled out of a run is still held: the stages before the run stand where they were
         # before the pull (the upstream-most run's pull last: it came first).
-        held = [self.source_ahead] if self.source_ahead is not None and self.source_ahead.held else []
-        held += [watch.ahead for _, watch in self.watches.values() if watch.ahead.held]
-        for ahead in sorted(held, key=lambda ahead: ahead.first, reverse=True):
+        for ahead in self._held():
             states.update(copy.deepcopy(ahead.state))
         refused = next((watch for _, watch in self.watches.values() if watch.refused), None)
-        self._peek(states)
+        if peek:
+            self._peek(states)
         tracker = self.tracker
         if tracker is not None and not tracker.rereads and (tracker.split or tracker.count > 1):
             states["split"] = self._source_split_refusal()
@@ -229,20 +232,24 @@ class _Pass:
         tracker, ahead = self.tracker, self.source_ahead
         if tracker is not None and ahead is not None and tracker.count == 1 and not tracker.split:
             serial = tracker.serial
-            if ahead.pull(self._before(states, ahead.first)) and ahead.stamp[1] == serial:
+            if ahead.pull(states_before(states, ahead.first)) and ahead.stamp[1] == serial:
                 tracker.split = True  # (a second item of the same raw item)
         for first, (_, watch) in sorted(self.watches.items()):
             if watch.unsure():
-                watch.peek(self._before(states, first))
+                watch.peek(states_before(states, first))
 
-    @staticmethod
-    def _before(states: dict[str, Any], first: int) -> dict[str, Any]:
-        """The states of the stages before index ``first`` (and where the source's plain functions are)."""
-        return {
-            key: copy.deepcopy(value)
-            for key, value in states.items()
-            if key == "partial" or (key.isdigit() and int(key) < first)
-        }
+    def _held(self) -> list[Lookahead]:
+        """The runs holding an item a state pulled ahead, the upstream-most last (its pull came first)."""
+        held = [self.source_ahead] if self.source_ahead is not None and self.source_ahead.held else []
+        held += [watch.ahead for _, watch in self.watches.values() if watch.ahead.held]
+        return sorted(held, key=lambda ahead: ahead.first, reverse=True)
+
+    def abandon(self) -> None:
+        """The pass ends with items a state pulled ahead still held: they never go out. A live RNG before their
+        run (``shuffle(rng=...)``, drawn on from one pass to the next) goes back to where it was before the pull,
+        as if the pull never happened (else the next pass would shuffle otherwise than without that state)."""
+        for ahead in self._held():
+            rewind_live_rngs(self.stages, ahead.state)
 
     def _stage_states(self) -> dict[str, Any]:
         """Each stage's state, the source's and the partial-item tracker's, as they stand."""
@@ -334,6 +341,8 @@ class _Iteration:
                 self.pipeline._last_state = self.state_dict()
             except Exception:  # a state that cannot be taken now will fail loudly when asked for directly
                 self.pipeline._last_state = None
+            if self.current is not None:  # (a full with_epoch window, or dropped mid-pass)
+                self.current.abandon()
 
     def _run(self) -> Iterator[Any]:
         pipeline = self.pipeline
@@ -390,10 +399,17 @@ class _Iteration:
         self.stage_states = None
         return current.ctx
 
+    def _window_full(self) -> bool:
+        """Whether the ``with_epoch`` window is full: this iteration hands out nothing more."""
+        pipeline = self.pipeline
+        return pipeline.repetitions != 1 and 0 < pipeline.nsamples <= self.yielded
+
     def _end_pass(self) -> bool:
         """Count the pass that ended; whether it ends the repetitions too (as webdataset: a pass without
         data does, but not a continued pass whose data was all consumed before)."""
         empty = self.pass_count == 0 and not self.may_start_empty
+        if self.current is not None:  # (it ended before the runs gave out what states pulled: a take, say)
+            self.current.abandon()
         self.may_start_empty = False
         self.repetition += 1
         self.pass_count = 0
@@ -457,7 +473,9 @@ class _Iteration:
             "continued": self.may_start_empty,
             "pass_count": self.pass_count,
             # Before the first item of a restored pass, the stages still hold the loaded states.
-            "stages": self.current.state() if self.current is not None else copy.deepcopy(self.stage_states),
+            "stages": self.current.state(not self._window_full())
+            if self.current is not None
+            else copy.deepcopy(self.stage_states),
             **pipeline.seed_record(),
         }
 

@@ -15,8 +15,13 @@ the ones taken before the pull (the pull moved them on).
 
 from __future__ import annotations
 
+import copy
+import random
 from collections.abc import Iterator
 from typing import Any
+
+from wdsraft.core.state import unpack_rng
+from wdsraft.pipeline.shuffle import shuffle
 
 #: webdataset's filters that give at most one item per item: never watched (no cost per item).
 AT_MOST_ONE_PER_ITEM = frozenset(
@@ -29,6 +34,8 @@ AT_MOST_ONE_PER_ITEM = frozenset(
         "_rename",
         "_rename_keys",
         "_xdecode",
+        "_decode",
+        "_log_keys",
         "_extract_keys",
         "_associate",
         "_info",
@@ -98,6 +105,26 @@ class Lookahead:
         if isinstance(held, _Raised):
             raise held.error
         return held
+
+
+def states_before(states: dict[str, Any], first: int) -> dict[str, Any]:
+    """A copy of the states of the stages before index ``first`` (and of where the source's plain functions
+    are): what ``Lookahead`` keeps while it holds an item."""
+    return {
+        key: copy.deepcopy(value)
+        for key, value in states.items()
+        if key == "partial" or (key.isdigit() and int(key) < first)
+    }
+
+
+def rewind_live_rngs(stages: list[Any], before: dict[str, Any]) -> None:
+    """Put the live RNG of each ``shuffle(rng=...)`` among ``stages`` back where ``before`` (``states_before``)
+    has it: for an item pulled ahead that never goes out, as if it had never been pulled."""
+    for key, state in before.items():
+        stage = stages[int(key)] if key.isdigit() else None
+        live = getattr(stage, "rng", None) if isinstance(stage, shuffle) else None
+        if isinstance(live, random.Random) and isinstance(state, dict) and isinstance(state.get("rng"), str):
+            live.setstate(unpack_rng(state["rng"]).getstate())
 
 
 class _Raised:
