@@ -342,31 +342,60 @@ def _keep_some(item: dict[str, Any]) -> dict[str, Any] | None:
     return item if (int(item["__key__"][:5]) + item["i"]) % 3 != 0 else None
 
 
-@pytest.mark.parametrize("split", ["unlisted", "plain"])
-def test_a_parallel_filter_map_that_drops_between_a_split_and_a_buffer_is_refused(urls, split: str) -> None:
+def _drop_some(src: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """``_keep_some`` as a plain generator (not one of webdataset's filters: watched)."""
+    for item in src:
+        if _keep_some(item) is not None:
+            yield item
+
+
+@pytest.mark.parametrize(
+    "layout",
+    ["unlisted", "unlisted_shuffle", "plain", "generator_after_unlisted_shuffle", "no_split", "plain_one_for_one"],
+)
+def test_a_parallel_filter_map_that_drops_between_a_split_and_a_buffer_is_refused(urls, layout: str) -> None:
     """As a plain filter there: the buffer after it numbers the items of a split group it received, a restore
     re-reads the whole group (``parallel_filter_map`` drops again), so it would restore other items. States
-    are refused from the first drop; before it, and with nothing dropped, they resume exactly."""
+    are refused from the first drop (also with a shuffle between the split and the filter: it passes the
+    numbering on; and for a plain generator there); before it, and with nothing dropped, they resume exactly.
+    With no split before it (or a generator after the source never seen splitting), a drop changes nothing:
+    never refused."""
 
     def make(fn: Any = _keep_some) -> wds.DataPipeline:
-        splitting = (wds.map(_pieces), wds.unlisted()) if split == "unlisted" else ()
+        dropping: Any = wds.parallel_filter_map(fn, max_workers=2, prefetch_factor=1)
+        if layout == "generator_after_unlisted_shuffle":
+            dropping = _drop_some if fn is _keep_some else identity
+        before = {
+            "unlisted": (wds.map(_pieces), wds.unlisted()),
+            "unlisted_shuffle": (wds.map(_pieces), wds.unlisted(), wds.shuffle(3, initial=3, seed=4)),
+            "generator_after_unlisted_shuffle": (wds.map(_pieces), wds.unlisted(), wds.shuffle(3, initial=3, seed=4)),
+            "plain": (),
+            "no_split": (wds.map(lambda sample: {**sample, "i": 1}),),
+            "plain_one_for_one": (wds.map(lambda sample: {**sample, "i": 1}),),
+        }[layout]
         return _pipeline(
             urls,
-            *splitting,
-            wds.parallel_filter_map(fn, max_workers=2, prefetch_factor=1),
+            *before,
+            dropping,
             wds.shuffle(5, initial=5, seed=1),
-            splitter=identity if split == "unlisted" else split3,
+            splitter={"plain": split3, "plain_one_for_one": one_for_one}.get(layout, identity),
         )
 
     exact, refused = _exact_or_refused(make)
+    if layout in ("no_split", "plain_one_for_one"):  # (a generator after the source that never split)
+        assert refused == 0
+        return
     assert exact > 0 and refused > 0
     pipeline = make()
     items = iter(pipeline)
     for _ in range(8):
         next(items)
-    with pytest.raises(
-        wds.StateMismatchError, match=r"stage \d \(parallel_filter_map\) dropped an item.*stage \d \(shuffle\)"
-    ):
+    expected = (
+        r"stage 8 \(shuffle\) \(stage 7 \(_drop_some\)\) dropped an item"
+        if "generator" in layout
+        else r"stage \d \(parallel_filter_map\) dropped an item.*before stage \d \(shuffle\)"
+    )
+    with pytest.raises(wds.StateMismatchError, match=expected):
         pipeline.state_dict()
     assert _exact_or_refused(lambda: make(identity))[1] == 0
 

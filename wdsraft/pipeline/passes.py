@@ -91,7 +91,12 @@ class _Pass:
         # Plain functions after a later stage: watched where they may split items (see splitwatch).
         self.watches: dict[int, tuple[int, SplitWatch]] = {}
         if self.source_index is not None:
-            runs = plain_runs(self.stages, self.boundary + 1, _is_stage, _drops_matter)
+            stages = self.stages
+
+            def far(first: int, end: int) -> bool:
+                return any(map(_splits, stages[:first])) and any(map(_holds, stages[end:]))
+
+            runs = plain_runs(stages, self.boundary + 1, _is_stage, _drops_matter, far)
             for first, (end, functions, drops) in runs.items():
                 names = [
                     f"stage {first + k} ({_name_of(f)})"
@@ -102,7 +107,7 @@ class _Pass:
                 around += f" and stage {end} ({type(self.stages[end]).__name__})" if end < len(self.stages) else ""
                 self.watches[first] = (end, SplitWatch(names, drops, around, first, may_split(functions), ctx))
         # Stages that drop items (parallel_filter_map) between a split and a buffer: refused once they drop.
-        self.dropping: dict[int, int] = {}
+        self.dropping: dict[int, tuple[int, bool]] = {}
         if self.source_index is not None:
             split_at = self.boundary if self.tracker is not None else -1
             self.dropping = dropping_stages(self.stages, _is_stage, _splits, _holds, split_at)
@@ -213,7 +218,12 @@ class _Pass:
         split = refused or next((watch for _, watch in self.watches.values() if watch.split), None)
         if split is not None:
             states["split_after"] = unresumable_state(split.refusal())
-        dropped = next((index for index in self.dropping if self.stages[index].dropped), None)
+        # (after plain functions that split the source's items only: once they were seen giving several)
+        split_seen = self.tracker is not None and (self.tracker.split or self.tracker.count > 1)
+        dropped = next(
+            (i for i, (_, by_stage) in self.dropping.items() if self.stages[i].dropped and (by_stage or split_seen)),
+            None,
+        )
         if dropped is not None:
             states["dropped"] = unresumable_state(self._drop_refusal(dropped))
         if self.ctx.unsaved:
@@ -274,7 +284,7 @@ class _Pass:
         return states
 
     def _drop_refusal(self, index: int) -> str:
-        holder = self.dropping[index]
+        holder = self.dropping[index][0]
         return (
             f"cannot save this pipeline: stage {index} ({type(self.stages[index]).__name__}) dropped an item of a "
             f"split group before stage {holder} ({type(self.stages[holder]).__name__}), which numbers the items it "

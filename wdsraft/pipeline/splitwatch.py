@@ -214,11 +214,17 @@ class SplitWatch:
 
 
 def plain_runs(
-    stages: list[Any], start: int, is_stage: Any, drops_matter: Any = lambda before, after: False
+    stages: list[Any],
+    start: int,
+    is_stage: Any,
+    drops_matter: Any = lambda before, after: False,
+    drops_matter_far: Any = lambda first, end: False,
 ) -> dict[int, tuple[int, list[Any], bool]]:
     """The runs of plain functions from ``start`` on to watch: first index -> (end, functions, drops matter).
     Watched: those that may split items, and those between two stages for which ``drops_matter(before, after)``
-    (a stage that splits items and one that holds them)."""
+    (a stage that splits items and one that holds them). Drops matter too in a run watched anyway for which
+    ``drops_matter_far(first, end)`` (a split anywhere before, a holder anywhere after: free, as it is watched;
+    a run of webdataset's filters there is not watched, for what it would cost per item)."""
     runs: dict[int, tuple[int, list[Any], bool]] = {}
     index = start
     while index < len(stages):
@@ -230,24 +236,28 @@ def plain_runs(
             end += 1
         functions = stages[index:end]
         drops = index > 0 and end < len(stages) and drops_matter(stages[index - 1], stages[end])
-        if drops or may_split(functions):
+        splits = may_split(functions)
+        drops = drops or (splits and drops_matter_far(index, end))
+        if drops or splits:
             runs[index] = (end, functions, drops)
         index = end
     return runs
 
 
-def dropping_stages(stages: list[Any], is_stage: Any, splits: Any, holds: Any, split_at: int = -1) -> dict[int, int]:
-    """Stages that drop items (``drops_none``: ``parallel_filter_map``) between one that splits items
-    (``splits(stage)``; or at index ``split_at``, the first stage after plain functions that split the source's
-    items) and one that holds items (``holds(stage)``), plain functions aside: index -> the holder's index.
+def dropping_stages(
+    stages: list[Any], is_stage: Any, splits: Any, holds: Any, split_at: int = -1
+) -> dict[int, tuple[int, bool]]:
+    """Stages that drop items (``drops_none``: ``parallel_filter_map``) after one that splits items
+    (``splits(stage)``, however far before: the stages between pass its numbering on; or from index
+    ``split_at`` on, the first stage after plain functions that may split the source's items) and before one
+    that holds items (``holds(stage)``): index -> (the holder's index, whether a splitting stage is before it).
     As for a plain filter there, a drop makes states refused (the holder numbers the items it received)."""
-    found: dict[int, int] = {}
+    found: dict[int, tuple[int, bool]] = {}
     for index, stage in enumerate(stages):
         if not getattr(stage, "drops_none", False):
             continue
-        before = next((i for i in range(index - 1, -1, -1) if is_stage(stages[i])), None)
-        after = next((i for i in range(index + 1, len(stages)) if is_stage(stages[i])), None)
-        split = index == split_at or (before is not None and splits(stages[before]))
-        if split and after is not None and holds(stages[after]):
-            found[index] = after
+        by_stage = any(is_stage(before) and splits(before) for before in stages[:index])
+        holder = next((i for i in range(index + 1, len(stages)) if is_stage(stages[i]) and holds(stages[i])), None)
+        if (by_stage or 0 <= split_at <= index) and holder is not None:
+            found[index] = (holder, by_stage)
     return found
