@@ -423,3 +423,25 @@ def test_an_item_pulled_ahead_and_never_handed_out_leaves_a_live_rng_as_it_was(u
     assert two_windows(True) == two_windows(False)
     exact, refused = _exact_or_refused(make)
     assert (exact, refused) == (9, 0)
+
+
+def test_a_state_at_a_full_with_epoch_window_pulls_nothing_ahead(urls) -> None:
+    """The pass ends with the window: an item pulled there would never go out, only read for nothing (and run
+    what the functions before the run do once more)."""
+    calls: list[str] = []
+
+    def counted(sample: dict[str, Any]) -> dict[str, Any]:
+        calls.append(sample["__key__"])
+        return sample
+
+    def window(take_states: bool) -> list[str]:
+        calls.clear()
+        pipeline = _pipeline(
+            urls, wds.map(counted), wds.shuffle(3, initial=3, seed=1), one_for_one, splitter=identity
+        ).with_epoch(5)
+        for _ in pipeline:
+            if take_states:
+                pipeline.state_dict()
+        return list(calls)
+
+    assert window(True) == window(False)
