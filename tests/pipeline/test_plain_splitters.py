@@ -4,6 +4,7 @@ item's address and how many of its items went past; a restore re-reads it and dr
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 from typing import Any
 
@@ -85,9 +86,9 @@ def test_a_plain_splitter_inside_a_webloader(urls, workers: int) -> None:
     assert sorted(key for key, _ in stream) == sorted(f"{n:05d}/{i}" for n in range(N) for i in range(3))
 
 
-def _after_loader(urls: list[str], *after: Any) -> wds.DataPipeline:
+def _after_loader(urls: list[str], *after: Any, function: Any = split3) -> wds.DataPipeline:
     dataset = wds.DataPipeline(wds.SimpleShardList(urls), wds.tarfile_to_samples(), wds.decode())
-    return wds.DataPipeline(wds.WebLoader(dataset, batch_size=None, num_workers=0), split3, *after)
+    return wds.DataPipeline(wds.WebLoader(dataset, batch_size=None, num_workers=0), function, *after)
 
 
 def test_a_plain_splitter_after_a_webloader_then_shuffle(urls) -> None:
@@ -198,7 +199,7 @@ def test_a_plain_splitter_after_a_stage_is_refused_once_seen_splitting(urls, aft
 
 def test_plain_filters_after_a_stage_keep_their_state(urls, monkeypatch) -> None:
     """A generator that only drops items is watched and never refused; webdataset's one-for-one filters
-    (map, to_tuple, select...) are not even watched."""
+    (decode, map, to_tuple, select...) are not even watched (nor pulled ahead when a state is taken)."""
     assert_resumes_everywhere(
         lambda: _pipeline(urls, wds.shuffle(4, initial=4, seed=1), every_other, splitter=identity)
     )
@@ -209,13 +210,14 @@ def test_plain_filters_after_a_stage_keep_their_state(urls, monkeypatch) -> None
 
     monkeypatch.setattr(splitwatch.SplitWatch, "pulled", never)
     assert_resumes_everywhere(
-        lambda: _pipeline(
-            urls,
+        lambda: wds.DataPipeline(
+            wds.SimpleShardList(urls),
+            wds.tarfile_to_samples(),
             wds.shuffle(4, seed=1),
+            wds.decode(),
             wds.map(identity),
             wds.select(bool),
-            wds.to_tuple("__key__"),
-            splitter=identity,
+            wds.to_tuple("__key__", "txt"),
         )
     )
 
@@ -251,3 +253,195 @@ def test_a_filter_between_a_split_and_a_buffer_that_keeps_everything_resumes(url
         ),
         same_shape=False,
     )
+
+
+def _exact_or_refused(make: Any) -> tuple[int, int]:
+    """Take a state after every item of an uninterrupted run: each either resumes to exactly the rest of the
+    stream or is refused (``StateMismatchError``). Returns (exact, refused) counts."""
+    pipeline = make()
+    stream = [identity_of(item) for item in make()]
+    items = iter(pipeline)
+    exact = refused = 0
+    for k in range(len(stream) + 1):
+        try:
+            state = pipeline.state_dict()
+        except wds.StateMismatchError:
+            refused += 1
+        else:
+            assert resume(make, state) == stream[k:], f"state after {k} items resumes wrong"
+            exact += 1
+        if k < len(stream):
+            assert identity_of(next(items)) == stream[k]
+    return exact, refused
+
+
+def _to_list3(sample: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{"__key__": f"{sample['__key__']}/{i}", "i": i} for i in range(3)]
+
+
+@pytest.mark.parametrize("where", ["after_loader", "after_shuffle", "after_parallel_map"])
+@pytest.mark.parametrize("splitter", ["split3", "uneven", "every_other"])
+def test_a_state_after_the_first_item_of_a_split_item_is_exact_or_refused(urls, where: str, splitter: str) -> None:
+    """A state taken after the first item a plain function gave for an item, before any split was seen, was
+    accepted and resumed without the rest of that item. The pass now pulls the function's next item when such
+    a state is asked for (and hands it out next): from the same item, the state is refused; else it is exact.
+    A function that never splits (``every_other``) keeps all its states."""
+    function = {"split3": split3, "uneven": uneven, "every_other": every_other}[splitter]
+
+    def make() -> wds.DataPipeline:
+        if where == "after_loader":
+            return _after_loader(urls, function=function)
+        stage = (
+            wds.shuffle(4, initial=4, seed=1)
+            if where == "after_shuffle"
+            else wds.parallel_map(identity, max_workers=2, prefetch_factor=1)
+        )
+        return _pipeline(urls, stage, function, splitter=identity)
+
+    exact, refused = _exact_or_refused(make)
+    assert exact > 0  # (at least the state before the first item)
+    if splitter == "every_other":
+        assert refused == 0
+    else:
+        assert refused > 0
+
+
+def lists_of_3(src: Iterator[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:
+    """One list per item, written as a generator (so watched: it may split)."""
+    for sample in src:
+        yield _to_list3(sample)
+
+
+def test_an_item_pulled_ahead_that_waits_while_items_go_out_keeps_the_states_exact(urls) -> None:
+    """``unlisted`` hands out the rest of a list without pulling: the list a state pulled ahead out of the run
+    before it waits there across several items out, and the states taken meanwhile must still describe the
+    stages before the run as they were before that pull. Two watched runs, one after the other, too."""
+
+    def make() -> wds.DataPipeline:
+        return _pipeline(
+            urls,
+            wds.shuffle(4, initial=4, seed=1),
+            lists_of_3,
+            wds.unlisted(),
+            one_for_one,
+            wds.shuffle(3, initial=3, seed=2),
+            lambda src: (dict(item, seen=True) for item in src),
+            splitter=identity,
+        )
+
+    exact, refused = _exact_or_refused(make)
+    assert (exact, refused) == (N * 3 + 1, 0)
+
+
+def one_for_one(src: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """A generator (so watched) that hands each item on."""
+    yield from src
+
+
+def _keep_some(item: dict[str, Any]) -> dict[str, Any] | None:
+    return item if (int(item["__key__"][:5]) + item["i"]) % 3 != 0 else None
+
+
+def _drop_some(src: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """``_keep_some`` as a plain generator (not one of webdataset's filters: watched)."""
+    for item in src:
+        if _keep_some(item) is not None:
+            yield item
+
+
+@pytest.mark.parametrize(
+    "layout",
+    ["unlisted", "unlisted_shuffle", "plain", "generator_after_unlisted_shuffle", "no_split", "plain_one_for_one"],
+)
+def test_a_parallel_filter_map_that_drops_between_a_split_and_a_buffer_is_refused(urls, layout: str) -> None:
+    """As a plain filter there: the buffer after it numbers the items of a split group it received, a restore
+    re-reads the whole group (``parallel_filter_map`` drops again), so it would restore other items. States
+    are refused from the first drop (also with a shuffle between the split and the filter: it passes the
+    numbering on; and for a plain generator there); before it, and with nothing dropped, they resume exactly.
+    With no split before it (or a generator after the source never seen splitting), a drop changes nothing:
+    never refused."""
+
+    def make(fn: Any = _keep_some) -> wds.DataPipeline:
+        dropping: Any = wds.parallel_filter_map(fn, max_workers=2, prefetch_factor=1)
+        if layout == "generator_after_unlisted_shuffle":
+            dropping = _drop_some if fn is _keep_some else identity
+        before = {
+            "unlisted": (wds.map(_pieces), wds.unlisted()),
+            "unlisted_shuffle": (wds.map(_pieces), wds.unlisted(), wds.shuffle(3, initial=3, seed=4)),
+            "generator_after_unlisted_shuffle": (wds.map(_pieces), wds.unlisted(), wds.shuffle(3, initial=3, seed=4)),
+            "plain": (),
+            "no_split": (wds.map(lambda sample: {**sample, "i": 1}),),
+            "plain_one_for_one": (wds.map(lambda sample: {**sample, "i": 1}),),
+        }[layout]
+        return _pipeline(
+            urls,
+            *before,
+            dropping,
+            wds.shuffle(5, initial=5, seed=1),
+            splitter={"plain": split3, "plain_one_for_one": one_for_one}.get(layout, identity),
+        )
+
+    exact, refused = _exact_or_refused(make)
+    if layout in ("no_split", "plain_one_for_one"):  # (a generator after the source that never split)
+        assert refused == 0
+        return
+    assert exact > 0 and refused > 0
+    pipeline = make()
+    items = iter(pipeline)
+    for _ in range(8):
+        next(items)
+    expected = (
+        r"stage 8 \(shuffle\) \(stage 7 \(_drop_some\)\) dropped an item"
+        if "generator" in layout
+        else r"stage \d \(parallel_filter_map\) dropped an item.*before stage \d \(shuffle\)"
+    )
+    with pytest.raises(wds.StateMismatchError, match=expected):
+        pipeline.state_dict()
+    assert _exact_or_refused(lambda: make(identity))[1] == 0
+
+
+def test_an_item_pulled_ahead_and_never_handed_out_leaves_a_live_rng_as_it_was(urls) -> None:
+    """A ``with_epoch`` window that closes while a run holds what a state pulled ahead: the item never goes
+    out, and the shuffle's live RNG (drawn on from one iteration to the next) goes back to where it was before
+    the pull, so taking states does not change the next iteration's order; and each state resumes exactly."""
+
+    def make() -> wds.DataPipeline:
+        return _pipeline(
+            urls, wds.shuffle(4, initial=4, rng=random.Random(5)), lists_of_3, wds.unlisted(), splitter=identity
+        ).with_epoch(8)  # (the window closes on a list's second item: the next list was pulled ahead)
+
+    def two_windows(take_states: bool) -> list[Any]:
+        pipeline = make()
+        stream = []
+        for _ in range(2):
+            for item in pipeline:
+                stream.append(identity_of(item))
+                if take_states:
+                    pipeline.state_dict()
+        return stream
+
+    assert two_windows(True) == two_windows(False)
+    exact, refused = _exact_or_refused(make)
+    assert (exact, refused) == (9, 0)
+
+
+def test_a_state_at_a_full_with_epoch_window_pulls_nothing_ahead(urls) -> None:
+    """The pass ends with the window: an item pulled there would never go out, only read for nothing (and run
+    what the functions before the run do once more)."""
+    calls: list[str] = []
+
+    def counted(sample: dict[str, Any]) -> dict[str, Any]:
+        calls.append(sample["__key__"])
+        return sample
+
+    def window(take_states: bool) -> list[str]:
+        calls.clear()
+        pipeline = _pipeline(
+            urls, wds.map(counted), wds.shuffle(3, initial=3, seed=1), one_for_one, splitter=identity
+        ).with_epoch(5)
+        for _ in pipeline:
+            if take_states:
+                pipeline.state_dict()
+        return list(calls)
+
+    assert window(True) == window(False)

@@ -54,6 +54,8 @@ class parallel_filter_map(Curried, Stage):
         self.executor = executor
         self.mp_context = mp_context
         self._in_flight: deque[tuple[Address | None, Any, Future[Any]]] = deque()  # (address, item, result)
+        #: Whether it dropped an item in this pass (between a split and a buffer, the pass then refuses states).
+        self.dropped = False
 
     def config(self) -> dict[str, Any]:
         return {"fn": describe(self.fn)}
@@ -79,6 +81,7 @@ class parallel_filter_map(Curried, Stage):
     def run(self, ctx: Context, src: Iterator[Any] | None, state: dict[str, Any] | None) -> Iterator[Any]:
         assert src is not None
         self._in_flight = deque()
+        self.dropped = False
         restored = unpack_addresses(state["in_flight"]) if state else []
         return self._results(ctx, src, restored)
 
@@ -122,6 +125,7 @@ class parallel_filter_map(Curried, Stage):
                     raise
                 in_flight.popleft()
                 if result is None and self.drops_none:
+                    self.dropped = True
                     continue
                 upstream = ctx.hand_out(address)  # what comes out is the item taken in at that address
                 yield result

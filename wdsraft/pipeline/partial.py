@@ -15,6 +15,7 @@ from typing import Any
 
 from wdsraft.core.errors import StateMismatchError
 from wdsraft.pipeline.addresses import Address
+from wdsraft.pipeline.splitwatch import END, Lookahead
 from wdsraft.pipeline.stage import Context, SourceStage, invoke_stage
 
 
@@ -56,6 +57,19 @@ def counted(ctx: Context, items: Iterator[Any], tracker: PartialTracker) -> Iter
     for item in items:
         seen(ctx)
         yield item
+
+
+def handed_out(ahead: Lookahead, items: Iterator[Any]) -> Iterator[Any]:
+    """``items`` (out of plain functions after a source that cannot re-read), and right after the item a state
+    was taken at, the one it pulled to learn whether that raw item had more (``splitwatch.Lookahead``)."""
+    ahead.items = items = iter(items)
+    for item in items:
+        yield item
+        while ahead.held:
+            held = ahead.take()
+            if held is END:
+                return
+            yield held
 
 
 def rest_of_item(ctx: Context, source: SourceStage, plain: list[Any], saved: list[Any]) -> Iterator[Any]:

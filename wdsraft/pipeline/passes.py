@@ -19,8 +19,17 @@ from wdsraft.pipeline.addresses import Address
 from wdsraft.pipeline.batch import _Splitter
 from wdsraft.pipeline.client import ClientReader, client_reader_span, composed, passed_through
 from wdsraft.pipeline.nested import is_stateful_dataset, source_stage_of
-from wdsraft.pipeline.partial import PartialTracker, counted, rest_of_item
-from wdsraft.pipeline.splitwatch import SplitWatch, at_most_one_per_item, may_split, plain_runs
+from wdsraft.pipeline.partial import PartialTracker, counted, handed_out, rest_of_item
+from wdsraft.pipeline.splitwatch import (
+    Lookahead,
+    SplitWatch,
+    at_most_one_per_item,
+    dropping_stages,
+    may_split,
+    plain_runs,
+    rewind_live_rngs,
+    states_before,
+)
 from wdsraft.pipeline.stage import (
     Context,
     SourceStage,
@@ -64,6 +73,8 @@ class _Pass:
         self.boundary = len(self.stages)
         self.plain: list[Any] = []
         self.tracker: PartialTracker | None = None
+        #: Where the source cannot re-read: what a state pulls out of those plain functions (see ``_peek``).
+        self.source_ahead: Lookahead | None = None
         if self.source_index is not None:
             after = range(self.source_index + 1, len(self.stages))
             self.boundary = next((i for i in after if isinstance(self.stages[i], Stage)), len(self.stages))
@@ -75,10 +86,17 @@ class _Pass:
                     saved = self.states.get("partial")
                     if saved:  # (before anything goes past, the state still says where the restore starts)
                         self.tracker.serial, self.tracker.base = -2, tuple(saved)
+                else:
+                    self.source_ahead = Lookahead(self.source_index + 1, ctx)
         # Plain functions after a later stage: watched where they may split items (see splitwatch).
         self.watches: dict[int, tuple[int, SplitWatch]] = {}
         if self.source_index is not None:
-            runs = plain_runs(self.stages, self.boundary + 1, _is_stage, _drops_matter)
+            stages = self.stages
+
+            def far(first: int, end: int) -> bool:
+                return any(map(_splits, stages[:first])) and any(map(_holds, stages[end:]))
+
+            runs = plain_runs(stages, self.boundary + 1, _is_stage, _drops_matter, far)
             for first, (end, functions, drops) in runs.items():
                 names = [
                     f"stage {first + k} ({_name_of(f)})"
@@ -87,7 +105,12 @@ class _Pass:
                 ]
                 around = f"stage {first - 1} ({type(self.stages[first - 1]).__name__})"
                 around += f" and stage {end} ({type(self.stages[end]).__name__})" if end < len(self.stages) else ""
-                self.watches[first] = (end, SplitWatch(names, drops, around))
+                self.watches[first] = (end, SplitWatch(names, drops, around, first, may_split(functions), ctx))
+        # Stages that drop items (parallel_filter_map) between a split and a buffer: refused once they drop.
+        self.dropping: dict[int, tuple[int, bool]] = {}
+        if self.source_index is not None:
+            split_at = self.boundary if self.tracker is not None else -1
+            self.dropping = dropping_stages(self.stages, _is_stage, _splits, _holds, split_at)
 
     def _source_rereads(self) -> bool:
         """Whether the source can re-read the raw item it read last: a seek (the tar reader), or a source that
@@ -149,7 +172,9 @@ class _Pass:
         saved = self.states.get("partial")
         if saved and self.tracker.rereads:
             items = chain(rest_of_item(self.ctx, self.ctx.source, self.plain, saved), items)
-        return items if self.boundary == len(self.stages) else counted(self.ctx, items, self.tracker)
+        if self.boundary < len(self.stages):
+            items = counted(self.ctx, items, self.tracker)
+        return items if self.source_ahead is None else handed_out(self.source_ahead, items)
 
     def _rematerializer(self, index: int) -> Callable[[list[Address]], list[Any]]:
         """Re-create the items a stage held: re-read raw items, replay the stateless stages in between."""
@@ -176,7 +201,68 @@ class _Pass:
 
         return rematerialize
 
-    def state(self) -> dict[str, Any]:
+    def state(self, peek: bool = True) -> dict[str, Any]:
+        """The pass's state; ``peek``: pull ahead where a plain run may be part-way through an item (not when the
+        pass ends right after this state, as at a full ``with_epoch`` window: it would never hand the item out)."""
+        states = self._stage_states()
+        # An item a state pulled out of a run is still held: the stages before the run stand where they were
+        # before the pull (the upstream-most run's pull last: it came first).
+        for ahead in self._held():
+            states.update(copy.deepcopy(ahead.state))
+        refused = next((watch for _, watch in self.watches.values() if watch.refused), None)
+        if peek:
+            self._peek(states)
+        tracker = self.tracker
+        if tracker is not None and not tracker.rereads and (tracker.split or tracker.count > 1):
+            states["split"] = self._source_split_refusal()
+        split = refused or next((watch for _, watch in self.watches.values() if watch.split), None)
+        if split is not None:
+            states["split_after"] = unresumable_state(split.refusal())
+        # (after plain functions that split the source's items only: once they were seen giving several)
+        split_seen = self.tracker is not None and (self.tracker.split or self.tracker.count > 1)
+        dropped = next(
+            (i for i, (_, by_stage) in self.dropping.items() if self.stages[i].dropped and (by_stage or split_seen)),
+            None,
+        )
+        if dropped is not None:
+            states["dropped"] = unresumable_state(self._drop_refusal(dropped))
+        if self.ctx.unsaved:
+            states["unsaved"] = unresumable_state(
+                f"cannot save this pipeline: {', '.join(self.ctx.unsaved)} runs as a plain function inside it "
+                "(wds.filters._shuffle(src), stage(src)...), so what it holds is saved nowhere; put the stage "
+                "itself in the pipeline (wds.shuffle(...))"
+            )
+        return states
+
+    def _peek(self, states: dict[str, Any]) -> None:
+        """A state taken right after the first item out of a plain run for an item (and where the run's next one
+        would come from is unknown) pulls that next item (``splitwatch.Lookahead``): one from the same item marks
+        the run as splitting (the state is refused); else the state is exact, and the stages before the run keep
+        ``states`` until the item pulled goes out. Costs nothing per item: only states taken there pull."""
+        tracker, ahead = self.tracker, self.source_ahead
+        if tracker is not None and ahead is not None and tracker.count == 1 and not tracker.split:
+            serial = tracker.serial
+            if ahead.pull(states_before(states, ahead.first)) and ahead.stamp[1] == serial:
+                tracker.split = True  # (a second item of the same raw item)
+        for first, (_, watch) in sorted(self.watches.items()):
+            if watch.unsure():
+                watch.peek(states_before(states, first))
+
+    def _held(self) -> list[Lookahead]:
+        """The runs holding an item a state pulled ahead, the upstream-most last (its pull came first)."""
+        held = [self.source_ahead] if self.source_ahead is not None and self.source_ahead.held else []
+        held += [watch.ahead for _, watch in self.watches.values() if watch.ahead.held]
+        return sorted(held, key=lambda ahead: ahead.first, reverse=True)
+
+    def abandon(self) -> None:
+        """The pass ends with items a state pulled ahead still held: they never go out. A live RNG before their
+        run (``shuffle(rng=...)``, drawn on from one pass to the next) goes back to where it was before the pull,
+        as if the pull never happened (else the next pass would shuffle otherwise than without that state)."""
+        for ahead in self._held():
+            rewind_live_rngs(self.stages, ahead.state)
+
+    def _stage_states(self) -> dict[str, Any]:
+        """Each stage's state, the source's and the partial-item tracker's, as they stand."""
         states: dict[str, Any] = {}
         live: list[Address] = []
         for index, stage in enumerate(self.stages):
@@ -193,32 +279,32 @@ class _Pass:
             if source.needs_live_addresses:
                 live = self.ctx.live_addresses()
             states[str(self.source_index)] = source.source_state(live)
-        tracker = self.tracker
-        if tracker is not None and tracker.rereads:
-            states["partial"] = tracker.next_address()
-        elif tracker is not None and (tracker.split or tracker.count > 1):
-            assert self.source_index is not None
-            after_source = enumerate(self.stages[self.source_index + 1 : self.boundary], self.source_index + 1)
-            names = ", ".join(
-                f"stage {i} ({_name_of(s)})"
-                for i, s in after_source
-                if s is not passed_through and not at_most_one_per_item(s)
-            )
-            states["split"] = unresumable_state(
-                f"cannot save this pipeline: a plain function after its source ({names}) yields several items "
-                "per item, and the source cannot re-read the item it is part-way through, so a restore would "
-                "lose the rest of it; make the split a stage: wds.map(to_list) then wds.unlisted()"
-            )
-        split = next((watch for _, watch in self.watches.values() if watch.refused), None)
-        if split is not None:
-            states["split_after"] = unresumable_state(split.refusal())
-        if self.ctx.unsaved:
-            states["unsaved"] = unresumable_state(
-                f"cannot save this pipeline: {', '.join(self.ctx.unsaved)} runs as a plain function inside it "
-                "(wds.filters._shuffle(src), stage(src)...), so what it holds is saved nowhere; put the stage "
-                "itself in the pipeline (wds.shuffle(...))"
-            )
+        if self.tracker is not None and self.tracker.rereads:
+            states["partial"] = self.tracker.next_address()
         return states
+
+    def _drop_refusal(self, index: int) -> str:
+        holder = self.dropping[index][0]
+        return (
+            f"cannot save this pipeline: stage {index} ({type(self.stages[index]).__name__}) dropped an item of a "
+            f"split group before stage {holder} ({type(self.stages[holder]).__name__}), which numbers the items it "
+            "holds where a restore re-reads them all (and drops again), so it would restore other items; filter "
+            "before the split or after the buffering stage"
+        )
+
+    def _source_split_refusal(self) -> dict[str, Any]:
+        assert self.source_index is not None
+        after_source = enumerate(self.stages[self.source_index + 1 : self.boundary], self.source_index + 1)
+        names = ", ".join(
+            f"stage {i} ({_name_of(s)})"
+            for i, s in after_source
+            if s is not passed_through and not at_most_one_per_item(s)
+        )
+        return unresumable_state(
+            f"cannot save this pipeline: a plain function after its source ({names}) yields several items "
+            "per item, and the source cannot re-read the item it is part-way through, so a restore would "
+            "lose the rest of it; make the split a stage: wds.map(to_list) then wds.unlisted()"
+        )
 
 
 class _Iteration:
@@ -265,6 +351,8 @@ class _Iteration:
                 self.pipeline._last_state = self.state_dict()
             except Exception:  # a state that cannot be taken now will fail loudly when asked for directly
                 self.pipeline._last_state = None
+            if self.current is not None:  # (a full with_epoch window, or dropped mid-pass)
+                self.current.abandon()
 
     def _run(self) -> Iterator[Any]:
         pipeline = self.pipeline
@@ -321,10 +409,17 @@ class _Iteration:
         self.stage_states = None
         return current.ctx
 
+    def _window_full(self) -> bool:
+        """Whether the ``with_epoch`` window is full: this iteration hands out nothing more."""
+        pipeline = self.pipeline
+        return pipeline.repetitions != 1 and 0 < pipeline.nsamples <= self.yielded
+
     def _end_pass(self) -> bool:
         """Count the pass that ended; whether it ends the repetitions too (as webdataset: a pass without
         data does, but not a continued pass whose data was all consumed before)."""
         empty = self.pass_count == 0 and not self.may_start_empty
+        if self.current is not None:  # (it ended before the runs gave out what states pulled: a take, say)
+            self.current.abandon()
         self.may_start_empty = False
         self.repetition += 1
         self.pass_count = 0
@@ -388,7 +483,9 @@ class _Iteration:
             "continued": self.may_start_empty,
             "pass_count": self.pass_count,
             # Before the first item of a restored pass, the stages still hold the loaded states.
-            "stages": self.current.state() if self.current is not None else copy.deepcopy(self.stage_states),
+            "stages": self.current.state(not self._window_full())
+            if self.current is not None
+            else copy.deepcopy(self.stage_states),
             **pipeline.seed_record(),
         }
 
@@ -444,6 +541,14 @@ _NOTHING = object()
 
 def _is_stage(stage: Any) -> bool:
     return isinstance(stage, Stage) or stage is passed_through
+
+
+def _splits(stage: Any) -> bool:
+    return isinstance(stage, _Splitter)
+
+
+def _holds(stage: Any) -> bool:
+    return isinstance(stage, Stage) and stage.holds_items
 
 
 def _drops_matter(before: Any, after: Any) -> bool:
