@@ -189,10 +189,13 @@ class ShardSampleReader:
                         self.next_offset, self.next_ordinal = offset, ordinal + 1
                         yield current
                         current = None
-                    for whole in data:
-                        ordinal = whole[ORDINAL_FIELD]
-                        self.next_offset, self.next_ordinal = offsets[ordinal + 1], ordinal + 1  # type: ignore[index]
+                    first = data[0][ORDINAL_FIELD]
+                    following = offsets[first + 1 : first + 1 + len(data)]  # type: ignore[index]
+                    for whole, self.next_offset, self.next_ordinal in zip(
+                        data, following, range(first + 1, first + 1 + len(data)), strict=True
+                    ):
                         yield whole
+                    ordinal = first + len(data) - 1
                     raw_key = current_key = whole["__key__"]
                     group_offset = current_offset = whole[OFFSET_FIELD]
                     verified = ordinal

@@ -138,31 +138,42 @@ class SampleRuns:
 def _members(blocks: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, ...] | None:
     """Every member header position of the samples spanning ``starts[i]:ends[i]`` (buffer positions), in
     order, their sizes and each sample's member count; None when the chain of one sample does not end
-    exactly at the next one's start, or a size field is not the common 11 octal digits."""
-    found_positions, found_sizes, found_samples = [], [], []
-    samples = np.arange(len(starts))
-    heads = starts
+    exactly at the next one's start, or a size field is not the common 11 octal digits.
+
+    Round r finds the r-th member of every sample that has one. While every sample still has one (the
+    common case: every sample the same members), no sample is picked out and the members come in order
+    by interleaving the rounds."""
+    found_positions, found_sizes = [], []
+    samples: np.ndarray | None = None  # the samples still in the walk (None: all of them)
+    heads, limits = starts, ends
     counts = np.zeros(len(starts), dtype=np.int64)
     for _ in range(MAX_MEMBERS):
         fields = blocks[heads // BLOCK, 124:136]
-        digits = fields[:, :11]
-        if not (((digits >= 48) & (digits <= 55)).all() and (fields[:, 11] == 0).all()):
+        digits = fields[:, :11] - 48  # (uint8: a byte below "0" wraps to above 7 too)
+        if (digits > 7).any() or fields[:, 11].any():
             return None
-        sizes = (digits.astype(np.int64) - 48) @ _POW8
+        sizes = digits.astype(np.int64) @ _POW8
         following = heads + BLOCK + ((sizes + BLOCK - 1) & ~(BLOCK - 1))
         found_positions.append(heads)
         found_sizes.append(sizes)
-        found_samples.append(samples)
-        counts[samples] += 1
-        limits = ends[samples]
+        if samples is None:
+            counts += 1
+        else:
+            counts[samples] += 1
         if (following > limits).any():
             return None  # a member runs past where the index starts the next sample
         more = following < limits
+        if samples is None and more.all():
+            heads = following
+            continue
         if not more.any():
             break
-        samples, heads = samples[more], following[more]
+        samples = np.flatnonzero(more) if samples is None else samples[more]
+        heads, limits = following[more], limits[more]
     else:
         return None
+    if len(found_positions) == 1 or (counts == len(found_positions)).all():  # (all samples alike)
+        return np.stack(found_positions, axis=1).ravel(), np.stack(found_sizes, axis=1).ravel(), counts
     positions = np.concatenate(found_positions)
     order = np.argsort(positions, kind="stable")
     return positions[order], np.concatenate(found_sizes)[order], counts
