@@ -6,7 +6,9 @@ after each one, and the same error at the same point, as a reader that walks eve
 from __future__ import annotations
 
 import contextlib
+import gzip
 import io
+import random
 import tarfile
 from array import array
 from pathlib import Path
@@ -29,7 +31,7 @@ from wdsraft.tar.indexer import build_index
 #: the "stale" ones are read against the index of a twin shard that differs there (a key, a size).
 ODD = [
     "upper", "dup", "dir", "dotdir", "meta", "dotmeta", "long", "unicode", "control", "noext", "hidden",
-    "emptyext", "samekey", "three", "stalekey", "stalesize",
+    "emptyext", "samekey", "three", "stalekey", "stalesize", "stalemeta",
 ]  # fmt: skip
 
 
@@ -40,6 +42,8 @@ def _members(number: int, odd: str | None, size: int, twin: bool = False) -> lis
     if odd == "stalekey":  # the previous sample's key here, its own in the twin the index comes from
         other = f"{'t' if twin else 's'}{number - 1:05d}"
         return [(f"{other}.bin", text), (f"{other}.cls", meta)]
+    if odd == "stalemeta":  # a meta file alone, a sample of its own in the twin (its name not a meta file's there)
+        return [("t_info.x__" if twin else "__info.x__", meta)]
     if odd == "stalesize":
         return [(f"{key}.txt", text + bytes(700) if twin else text), (f"{key}.json", meta)]
     return {
@@ -83,13 +87,13 @@ def _index(path: Path) -> ShardIndex:
     return ShardIndex(path.name, offsets, path.stat().st_size, None, None)
 
 
-def _events(url: str, start: int | None, via: str, block: int, index: ShardIndex) -> list[Any]:
+def _events(url: str, start: int | None, via: str, block: int, index: ShardIndex, opener: Any = open) -> list[Any]:
     """What a reader hands out, and its positions after each sample, then how it ends."""
     events: list[Any] = []
     with contextlib.ExitStack() as stack:
         kw: dict[str, Any] = {"index": index}
         if via == "stream":  # not a plain local file: buffers are bytes objects, not the reused window
-            kw["stream"] = stack.enter_context(open(url, "rb"))
+            kw["stream"] = stack.enter_context(opener(url, "rb"))
             if start:
                 kw["stream"].seek(start)
         reader = wds.ShardSampleReader(url, offset=start or 0, ordinal=None, block_size=block, **kw)
@@ -176,34 +180,58 @@ def test_a_converted_shard_is_read_in_runs(tmp_path: Path, monkeypatch):
         assert list(wds.WebDataset([str(path)], shardshuffle=False)) == ours
 
 
-def test_runs_give_way_where_every_sample_is_odd(tmp_path: Path, monkeypatch):
-    """Names in directories (every sample the general way): after a few tries the reader stops trying,
-    however many buffers the shard takes."""
+@pytest.mark.parametrize("block", [4096, 1 << 20])
+def test_runs_give_way_where_every_sample_is_odd(tmp_path: Path, monkeypatch, block: int):
+    """Names in directories (every sample the general way): after a few runs tried, however many buffers
+    the shard takes, the reader stops trying."""
     path = tmp_path / "dirs.tar"
-    _write(path, [("dir", 100)] * 300)
+    _write(path, [("dir", 100)] * 3000)
     build_index(str(path)).save(str(path))
-    calls = []
+    tried = []
+    run = runs_module.SampleRuns._run
+    monkeypatch.setattr(runs_module.SampleRuns, "_run", lambda self, *a: tried.append(1) or run(self, *a))
+    samples = list(wds.ShardSampleReader(str(path), block_size=block))
+    assert len(samples) == 3000 and samples[7]["__key__"] == "d/s00007"
+    assert len(tried) <= runs_module.MAX_MISSES
+
+
+def test_one_odd_sample_ends_a_run_not_the_runs(tmp_path: Path, monkeypatch):
+    """A long name (an extension header) every 300 samples: the samples around it still go out in runs."""
+    path = tmp_path / "sparse.tar"
+    _write(path, [("long" if n % 300 == 150 else None, 100) for n in range(3000)])
+    build_index(str(path)).save(str(path))
+    taken: list[int] = []
     take = runs_module.SampleRuns.take
-    monkeypatch.setattr(runs_module.SampleRuns, "take", lambda self, *a: calls.append(1) or take(self, *a))
-    samples = list(wds.ShardSampleReader(str(path), block_size=4096))
-    assert len(samples) == 300 and samples[7]["__key__"] == "d/s00007"
-    assert len(calls) <= 2 * runs_module.MAX_MISSES  # (a miss, each perhaps after a refill to align the buffer)
 
+    def counting(self, *args):
+        samples, until = take(self, *args)
+        taken.append(len(samples) if samples is not None else 0)
+        return samples, until
 
-@pytest.mark.parametrize("odd", ["dup", "stalekey"])
-def test_a_run_never_holds_what_the_member_walk_refuses(eager_runs, monkeypatch, tmp_path: Path, odd: str):
-    """One odd sample among plain ones, all in one buffer: a run over it would hand out a sample short of
-    a member (two extensions alike) or start a sample where the general walk goes on with the last one."""
-    path, twin = tmp_path / "shard.tar", tmp_path / "twin.tar"
-    shapes = [(None, 100)] * 10 + [(odd, 100)] + [(None, 100)] * 10
-    _write(path, shapes)
-    _write(twin, shapes, twin=True)
-    index = _index(twin)
-    with_runs = _events(str(path), 0, "path", 1 << 20, index)
+    monkeypatch.setattr(runs_module.SampleRuns, "take", counting)
+    ours = list(wds.ShardSampleReader(str(path)))
+    assert sum(taken) >= 2700
     with monkeypatch.context() as patch:
         _without_runs(patch)
-        assert with_runs == _events(str(path), 0, "path", 1 << 20, index)
-    assert with_runs[-2][0] == "error"
+        assert list(wds.ShardSampleReader(str(path))) == ours
+
+
+@pytest.mark.parametrize("via", ["path", "stream"])
+@pytest.mark.parametrize("odd", ODD)
+def test_each_odd_member_among_plain_ones(eager_runs, monkeypatch, tmp_path: Path, odd: str, via: str):
+    """Every kind of odd member once among plain samples, all in one buffer: the runs around it hand out
+    what the general walk does (a run over it would give a sample short of a member, a wrong key, or start
+    a sample where the general walk goes on with the last one)."""
+    path, twin = tmp_path / "shard.tar", tmp_path / "twin.tar"
+    shapes = [(None, 100)] * 10 + [(odd, 100)] + [(None, 100)] * 10
+    for gnu in (False, True):
+        _write(path, shapes, gnu=gnu)
+        _write(twin, shapes, twin=True, gnu=gnu)
+        index = _index(twin)
+        with_runs = _events(str(path), 0, via, 1 << 20, index)
+        with monkeypatch.context() as patch:
+            _without_runs(patch)
+            assert with_runs == _events(str(path), 0, via, 1 << 20, index)
 
 
 def test_a_run_does_not_start_with_the_key_of_the_sample_before(tmp_path: Path):
@@ -219,3 +247,28 @@ def test_a_run_does_not_start_with_the_key_of_the_sample_before(tmp_path: Path):
     runs.key = "s00009"
     samples, _ = runs.take(raw, index.offsets[10], len(raw), 0)
     assert samples is not None and samples[0]["__key__"] == "s00010"
+
+
+@pytest.mark.parametrize("block", [1 << 16, 1 << 20])
+@pytest.mark.parametrize("where", [700_000, 1_000_000, 1_400_000])
+def test_a_damaged_compressed_shard_ends_alike(monkeypatch, tmp_path: Path, block: int, where: int):
+    """A gzip shard with a byte changed (payloads that do not compress: the stream fails near the damage):
+    the samples before the stream error, their positions and the error, offset included, are the general
+    walk's (a run's reads happen where the general walk's would)."""
+    plain, path = tmp_path / "plain.tar", tmp_path / "shard.tar.gz"
+    with tarfile.open(plain, "w", format=tarfile.PAX_FORMAT) as tar:
+        for n in range(3000):
+            payload = random.Random(n).randbytes(50 + n * 37 % 900)
+            for name, data in ((f"s{n:05d}.txt", payload), (f"s{n:05d}.json", b'{"n":%d}' % n)):
+                info = tarfile.TarInfo(name)
+                info.size, info.mtime = len(data), 0
+                tar.addfile(info, io.BytesIO(data))
+    index = _index(plain)
+    raw = bytearray(gzip.compress(plain.read_bytes(), mtime=0))
+    raw[where] ^= 0x55
+    path.write_bytes(raw)
+    with_runs = _events(str(path), 0, "stream", block, index, gzip.open)
+    with monkeypatch.context() as patch:
+        _without_runs(patch)
+        walked = _events(str(path), 0, "stream", block, index, gzip.open)
+    assert with_runs == walked

@@ -14,7 +14,6 @@ import gzip
 import io
 import lzma
 import mmap
-import threading
 import zlib
 from collections.abc import Iterator
 from typing import IO, Any
@@ -22,6 +21,7 @@ from typing import IO, Any
 import numpy as np
 
 from wdsraft.core.errors import RemoteReadError, TarFormatError
+from wdsraft.tar.checksums import checked_headers
 from wdsraft.tar.format import (
     _GNU_LONGLINK,
     _GNU_LONGNAME,
@@ -39,7 +39,7 @@ from wdsraft.tar.format import (
     parse_number,
     parse_pax_records,
 )
-from wdsraft.tar.runs import REFILL, SampleRuns
+from wdsraft.tar.runs import SampleRuns
 
 _MAX_READ = 64 << 20
 #: The name of the item ``batches`` hands out for a run of whole samples (see ``TarMemberReader.runs``).
@@ -133,10 +133,8 @@ class TarMemberReader:
         base = self.start_offset
         runs = self.runs
         until = -1  # with runs: the archive offset up to which members go one by one (no run starts before)
-        realign = False  # with runs: move the partial sample at the buffer's end to its front, read more
         while True:
-            if filled - pos < BLOCK or realign:
-                realign = False
+            if filled - pos < BLOCK:
                 if window is not None:
                     left = filled - pos  # (under one block: a member running past the buffer is read apart)
                     if left:
@@ -167,9 +165,6 @@ class TarMemberReader:
                         run_start, pos = base + pos, until - base
                         self.end_offset = until
                         yield [(SAMPLE_RUN, run_start, samples)]
-                        continue
-                    if until == REFILL:
-                        realign = True
                         continue
                 stop = min(end, until - base)
 
@@ -400,27 +395,6 @@ def _positioned_file(fileobj: IO[bytes], offset: int) -> bool:
         return False
 
 
-_OCTAL_PLACES = (8 ** np.arange(5, -1, -1)).astype(np.float32)
-_OCTAL_BIAS = float(48 * _OCTAL_PLACES.sum())  # the six digits' ASCII '0's
-_CHECKSUM_WEIGHTS = np.ones(BLOCK, dtype=np.float32)
-_CHECKSUM_WEIGHTS[148:156] = 0  # the checksum field counts as eight spaces (the 8 * 32 added)
-
-
-_SCRATCH = threading.local()
-
-
-def _scratch(rows: int) -> tuple[np.ndarray, np.ndarray]:
-    """This thread's arrays for a block's headers (bytes, and as float32), with room for ``rows``: reused from
-    block to block. (New arrays of this size -- about 1 MiB for a block of small samples -- came from fresh
-    pages at every block whenever the C allocator maps such sizes anew: a page fault every 4 KiB, which
-    cost more than the checksums themselves.)"""
-    arrays: tuple[np.ndarray, np.ndarray] | None = getattr(_SCRATCH, "arrays", None)
-    if arrays is None or len(arrays[0]) < rows:
-        size = 1 << max(rows - 1, 255).bit_length()  # (a power of two: a few sizes at most)
-        arrays = _SCRATCH.arrays = (np.empty((size, BLOCK), np.uint8), np.empty((size, BLOCK), np.float32))
-    return arrays
-
-
 def _first_bad_header(buf: Any, positions: list[int], length: int) -> int | None:
     """Index (into ``positions``) of the first header in ``buf`` (its first ``length`` bytes in use) whose
     checksum is wrong, or None."""
@@ -430,19 +404,9 @@ def _first_bad_header(buf: Any, positions: list[int], length: int) -> int | None
     rows = np.asarray(positions, dtype=np.intp) // BLOCK
     if rows[-1] >= len(blocks):  # a partial header (parse failure at the buffer's end)
         rows = rows[:-1]
-    count = len(rows)
-    raw, wide = _scratch(count)
-    headers = np.take(blocks, rows, axis=0, out=raw[:count], mode="clip")  # (rows are in range: no buffering)
-    floats = wide[:count]
-    np.copyto(floats, headers)
-    # Sums and stored values as float32 dot products (exact: integers below 2**24; an integer sum over the
-    # headers took three times as long).
-    sums = floats @ _CHECKSUM_WEIGHTS + 8 * 32
-    # The usual stored checksum (six octal digits, then NUL) is read here for all headers at once: the
-    # ones that match need no more; the others are looked at one by one below.
-    digits = headers[:, 148:154]
-    plain = (headers[:, 154] == 0) & ((digits >= 48) & (digits <= 55)).all(axis=1)
-    matches = plain & (floats[:, 148:154] @ _OCTAL_PLACES - _OCTAL_BIAS == sums)
+    # The usual stored checksum (six octal digits, then NUL) is read for all headers at once: the ones that
+    # match need no more; the others are looked at one by one below.
+    _, sums, matches = checked_headers(blocks, rows)
     if matches.all():
         return None
     for i in np.flatnonzero(~matches).tolist():

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from wdsraft.core.fields import OFFSET_FIELD, ORDINAL_FIELD
+from wdsraft.tar.checksums import checked_headers
 from wdsraft.tar.format import BLOCK
 
 logger = logging.getLogger(__name__)
@@ -38,15 +39,8 @@ MAX_MEMBERS = 16
 MAX_MISSES = 8
 
 _POW8 = 8 ** np.arange(10, -1, -1, dtype=np.int64)  # the 11 octal digits of a size field
-_CHECKSUM_WEIGHTS = np.ones(BLOCK, dtype=np.float32)
-_CHECKSUM_WEIGHTS[148:156] = 0  # the checksum field counts as eight spaces
-_OCTAL_PLACES = (8 ** np.arange(5, -1, -1)).astype(np.float32)
-_OCTAL_BIAS = float(48 * _OCTAL_PLACES.sum())
 _COLUMNS = np.arange(101, dtype=np.uint8)  # name bytes, and one past the longest (a 100-byte name's end)
 _NAME_WIDTHS = (16, 32, 48, 64, 80)  # where a run's names may all have ended (column 100 starts the mode)
-
-#: What :meth:`SampleRuns.take` says when no run can start at this position.
-REFILL = -1  # too few whole samples in the buffer: move the partial one to its front and read more
 
 
 class SampleRuns:
@@ -59,7 +53,7 @@ class SampleRuns:
 
     def __init__(self, url: str, offsets: array):
         self.url = url
-        self.offsets = np.frombuffer(offsets, dtype=np.uint64).astype(np.int64)
+        self.offsets = np.frombuffer(offsets, dtype=np.uint64)  # (a view: readers of a few samples are common)
         self.last = len(offsets) - 2  # the shard's last sample: always read the general way
         self.ordinal = -1
         self.key: str | None = None
@@ -67,33 +61,41 @@ class SampleRuns:
         self.enabled = self.last > 0
 
     def take(self, buf: Any, pos: int, filled: int, base: int) -> tuple[list[dict[str, Any]] | None, int]:
-        """``(samples, end)``: the run of whole samples from ``buf[pos]`` on and the archive offset just
-        past it; or ``(None, REFILL)``; or ``(None, until)``: members up to archive offset ``until`` go
-        the general way (the next run may start there)."""
+        """``(samples, end)``: a run of whole samples from ``buf[pos]`` on and the archive offset just past
+        it; or ``(None, until)``: members up to archive offset ``until`` go the general way (the next run
+        may start there). Where no run can start, the general way goes to the next sample's start: the
+        sample that runs past the buffer's end, read as the general walk reads it (its reads, and a read
+        that fails, happen where they would without runs). ``until`` is always past ``buf[pos]``."""
+        samples, until = self._take(buf, pos, filled, base)
+        if samples is None and until <= base + pos:  # (an index whose offsets do not increase: no runs)
+            return self._done()
+        return samples, until
+
+    def _take(self, buf: Any, pos: int, filled: int, base: int) -> tuple[list[dict[str, Any]] | None, int]:
         first = self.ordinal + 1
-        at = base + pos
-        offsets = self.offsets
         if first > self.last:
             return self._done()
-        if offsets[first] != at or at % BLOCK or base % BLOCK:
-            return self._miss(int(np.searchsorted(offsets, at, side="right")))
+        at = base + pos
+        offsets = self.offsets
+        if offsets[first] != at or at % BLOCK or base % BLOCK:  # (not where a sample starts: to the next one)
+            following = int(np.searchsorted(offsets, at, side="right"))
+            return self._done() if following > self.last else (None, int(offsets[following]))
         # Samples first..stop-1 lie wholly in the buffer, and the first header of sample `stop` too (its
         # key must differ from theirs for the general walk to end them where the index does).
         stop = min(int(np.searchsorted(offsets, base + filled - BLOCK, side="right")) - 1, self.last)
-        if stop - first < MIN_RUN:
-            if pos > 0 and stop < self.last:
-                return None, REFILL
-            return self._miss(max(stop, first + 1))
-        samples = self._run(buf, first, stop, base, filled)
-        if samples is None:
-            return self._miss(stop)  # (the general way through this buffer's samples: it finds what is odd)
+        if stop - first < MIN_RUN:  # too few for a run's fixed cost (or none): the general way through them
+            return None, int(offsets[max(stop, first + 1)])
+        samples, odd = self._run(buf, first, stop, base, filled)
+        if not samples:
+            return self._miss(odd + 1)  # (the general way through the sample it could not take)
         self.misses = 0
-        self.ordinal = stop - 1
+        self.ordinal = first + len(samples) - 1
         self.key = samples[-1]["__key__"]
-        return samples, int(offsets[stop])
+        return samples, int(offsets[self.ordinal + 1])
 
     def _miss(self, until: int) -> tuple[None, int]:
-        """The general way up to the start of sample ``until``; after many misses in a row, to the end."""
+        """A run that could not be taken: the general way up to the start of sample ``until``; after many
+        in a row, to the end."""
         self.misses += 1
         if self.misses >= MAX_MISSES or until > self.last:
             logger.debug("%s: read the general way from sample %d on", self.url, self.ordinal + 1)
@@ -105,63 +107,77 @@ class SampleRuns:
         self.enabled = False
         return None, sys.maxsize
 
-    def _run(self, buf: Any, first: int, stop: int, base: int, filled: int) -> list[dict[str, Any]] | None:
-        starts = self.offsets[first : stop + 1] - base  # (the last: sample `stop`'s first header)
+    def _run(self, buf: Any, first: int, stop: int, base: int, filled: int) -> tuple[list[dict[str, Any]] | None, int]:
+        """The longest run of samples from ``first`` on that the general walk would hand out alike, and the
+        ordinal of the sample that ends it (the general walk goes through that one)."""
+        starts = (self.offsets[first : stop + 1] - base).astype(np.int64)  # (the last: sample `stop`'s header)
         if (starts % BLOCK).any():
-            return None  # (an index that puts a sample off the 512-byte grid: the general walk says so)
+            return None, stop - 1  # (an index that puts a sample off the 512-byte grid: the general walk says so)
         blocks = np.frombuffer(buf, dtype=np.uint8, count=filled // BLOCK * BLOCK).reshape(-1, BLOCK)
-        members = _members(blocks, starts[:-1], starts[1:])
-        if members is None:
-            return None
-        positions, sizes, counts = members
-        heads = np.concatenate((positions, starts[-1:]))  # every member's header, then the one after the run
-        names = _Names.of(np.take(blocks, heads // BLOCK, axis=0))
-        if names is None:
-            return None
-        # Sample by sample, the general walk's grouping: a sample's members share its key, the next
-        # sample's first member has another (else the general walk would go on with the same sample).
-        first_members = np.zeros(len(heads), dtype=bool)
-        first_members[np.cumsum(counts) - counts] = True
-        first_members[-1] = True
-        same_key = (names.keys[1:] == names.keys[:-1]).all(axis=1)
-        if (same_key == first_members[1:]).any():
-            return None
-        keys = _text(names.keys[first_members]).split(".")[:-2]  # (each key ends with its dot; then the next's)
+        positions, sizes, counts = _members(blocks, starts[:-1], starts[1:])
+        chained = len(counts)  # (the samples before the first whose members do not end where the index says)
+        # Each sample's first row, and then the first header of the sample after them.
+        firsts = np.concatenate((np.cumsum(counts) - counts, [len(positions)]))
+        rows = np.concatenate((positions, starts[chained : chained + 1]))
+        headers, _, checksums_match = checked_headers(blocks, rows // BLOCK)
+        names = _Names.of(headers, checksums_match)
+        # Where the general walk could part from a run: an odd header or name, or the grouping (a sample's
+        # members share its key; the next sample's first member has another, else the general walk would go
+        # on with the same sample; the run's first key is not the last key the reader saw).
+        parting = names.odd
+        starting = np.zeros(len(rows), dtype=bool)
+        starting[firsts] = True
+        parting[1:] |= (names.keys[1:] == names.keys[:-1]).all(axis=1) == starting[1:]
+        end = int(parting.argmax()) if parting.any() else len(rows)
+        # A sample is taken when the first row of the next one comes before that point (its end is known).
+        count = int(np.searchsorted(firsts[1:], end, side="left"))
+        odd = first + min(int(np.searchsorted(firsts, end, side="right")) - 1, chained)
+        if count == 0:
+            return None, odd
+        keys = _text(names.keys[firsts[: count + 1]]).split(".")[:-1]  # (each key ends with its dot)
         if keys[0] == self.key:
-            return None
-        extensions = _text(names.extensions[:-1]).lower().split(_SEPARATOR)[:-1]
-        data_starts = (positions + BLOCK).tolist()
-        payloads = list(map(buf.__getitem__, map(slice, data_starts, map(int.__add__, data_starts, sizes.tolist()))))
-        return _samples(self.url, keys, extensions, payloads, range(first, stop), starts[:-1] + base, counts)
+            return None, first
+        del keys[-1]  # (the next sample's)
+        members = int(firsts[count])
+        extensions = _text(names.extensions[:members]).lower().split(_SEPARATOR)[:-1]
+        data_starts = (positions[:members] + BLOCK).tolist()
+        ends = map(int.__add__, data_starts, sizes[:members].tolist())
+        payloads = list(map(buf.__getitem__, map(slice, data_starts, ends)))
+        samples = _samples(self.url, keys, extensions, payloads, first, starts[:count] + base, counts[:count])
+        return samples, first + len(samples)
 
 
-def _members(blocks: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, ...] | None:
-    """Every member header position of the samples spanning ``starts[i]:ends[i]`` (buffer positions), in
-    order, their sizes and each sample's member count; None when the chain of one sample does not end
-    exactly at the next one's start, or a size field is not the common 11 octal digits.
+def _members(blocks: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The member header positions of the samples spanning ``starts[i]:ends[i]`` (buffer positions), in
+    order, their sizes and each sample's member count, for the samples before the first whose members do
+    not end exactly where the next one starts (or whose size field is not the common 11 octal digits).
 
     Round r finds the r-th member of every sample that has one. While every sample still has one (the
     common case: every sample the same members), no sample is picked out and the members come in order
     by interleaving the rounds."""
-    found_positions, found_sizes = [], []
+    found_positions, found_sizes, found_samples = [], [], []
+    cut = len(starts)  # (the first sample left out)
     samples: np.ndarray | None = None  # the samples still in the walk (None: all of them)
     heads, limits = starts, ends
     counts = np.zeros(len(starts), dtype=np.int64)
     for _ in range(MAX_MEMBERS):
         fields = blocks[heads // BLOCK, 124:136]
         digits = fields[:, :11] - 48  # (uint8: a byte below "0" wraps to above 7 too)
-        if (digits > 7).any() or fields[:, 11].any():
-            return None
         sizes = digits.astype(np.int64) @ _POW8
         following = heads + BLOCK + ((sizes + BLOCK - 1) & ~(BLOCK - 1))
+        odd = (digits > 7).any(axis=1) | (fields[:, 11] != 0) | (following > limits)
+        if odd.any():  # (those samples and all after them are left to the general walk)
+            numbers = np.arange(len(heads)) if samples is None else samples
+            cut = min(cut, int(numbers[odd].min()))
+            kept = numbers < cut
+            samples, heads, sizes, following, limits = (a[kept] for a in (numbers, heads, sizes, following, limits))
         found_positions.append(heads)
         found_sizes.append(sizes)
+        found_samples.append(samples)
         if samples is None:
             counts += 1
         else:
             counts[samples] += 1
-        if (following > limits).any():
-            return None  # a member runs past where the index starts the next sample
         more = following < limits
         if samples is None and more.all():
             heads = following
@@ -170,30 +186,36 @@ def _members(blocks: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> tuple[
             break
         samples = np.flatnonzero(more) if samples is None else samples[more]
         heads, limits = following[more], limits[more]
-    else:
-        return None
-    if len(found_positions) == 1 or (counts == len(found_positions)).all():  # (all samples alike)
+    else:  # (more members than MAX_MEMBERS)
+        cut = min(cut, int(samples.min())) if samples is not None else 0
+    if cut == len(starts) and (samples is None or (counts == len(found_positions)).all()):
+        # every sample the same members: the rounds interleaved are the members in order
         return np.stack(found_positions, axis=1).ravel(), np.stack(found_sizes, axis=1).ravel(), counts
-    positions = np.concatenate(found_positions)
+    rounds = [np.arange(len(s)) if n is None else n for s, n in zip(found_positions, found_samples, strict=True)]
+    every = np.concatenate(rounds)
+    kept = every < cut
+    positions = np.concatenate(found_positions)[kept]
     order = np.argsort(positions, kind="stable")
-    return positions[order], np.concatenate(found_sizes)[order], counts
+    return positions[order], np.concatenate(found_sizes)[kept][order], counts[:cut]
 
 
 class _Names:
     """The member names of a run's headers, split as webdataset splits them (key up to the first dot,
-    extension after it), as rows of bytes: every name printable ASCII, no directory, neither a meta
-    file nor a hidden one, with a key and an extension. Key rows keep their dot, extension rows end
-    with ``_SEPARATOR``: the rows' bytes joined are the texts joined."""
+    extension after it), as rows of bytes, and ``odd``: the rows the general walk reads otherwise than a
+    run can (not a plain regular file with a good checksum, or a name not printable ASCII, in a directory,
+    maybe a meta file, hidden, or without a key or an extension). Key rows keep their dot, extension rows
+    end with ``_SEPARATOR``: the rows' bytes joined are the texts joined."""
 
-    def __init__(self, keys: np.ndarray, extensions: np.ndarray):
+    def __init__(self, keys: np.ndarray, extensions: np.ndarray, odd: np.ndarray):
         self.keys = keys
         self.extensions = extensions
+        self.odd = odd
 
     @classmethod
-    def of(cls, headers: np.ndarray) -> _Names | None:
-        # Regular files ('0') named in the name field alone (no ustar prefix), with good checksums.
-        if not ((headers[:, 156] == 48).all() and (headers[:, 345] == 0).all() and _checksums_match(headers)):
-            return None
+    def of(cls, headers: np.ndarray, checksums_match: np.ndarray) -> _Names:
+        # Regular files ('0') named in the name field alone (no ustar prefix), with good checksums (in the
+        # common layout: the general walk checks the others).
+        odd = (headers[:, 156] != 48) | (headers[:, 345] != 0) | ~checksums_match
         # The names' bytes only as far as a column of NULs in every header: each name ends before it (fewer
         # columns, less work per header); the whole field, and a NUL column after it, otherwise.
         for width in _NAME_WIDTHS:
@@ -208,20 +230,17 @@ class _Names:
         lengths = (names == 0).argmax(axis=1).astype(np.uint8)  # (the last column is always NUL)
         within = columns < lengths[:, None]  # (uint8 on both sides: half the work of wider integers)
         dots = (names == 46) & within
-        if (
-            (((names < 32) | (names > 126)) & within).any()
-            or ((names == 47) & within).any()  # a directory: the general walk splits the basename
-            or (names[:, 0] == 95).any()  # "_...": perhaps a meta file, which the general walk skips
-            or not dots.any(axis=1).all()
-        ):
-            return None
         first_dots = dots.argmax(axis=1).astype(np.uint8)
-        if (first_dots == 0).any() or (first_dots + 1 >= lengths).any():
-            return None  # a hidden name ("." first) or an empty extension: the general walk's rules
+        odd |= (
+            ((_UNRUNNABLE[names] & within).any(axis=1))  # not printable ASCII, or a directory's slash
+            | (names[:, 0] == 95)  # "_...": perhaps a meta file, which the general walk skips
+            | (first_dots == 0)  # no dot, or a hidden name (the general walk's own rules)
+            | (first_dots + 1 >= lengths)  # an empty extension
+        )
         keys = names * (columns <= first_dots[:, None])  # (a product: cheaper than np.where)
         extensions = names * ((columns > first_dots[:, None]) & within)
         extensions[np.arange(len(names)), lengths] = _SEPARATOR_BYTE
-        return cls(keys, extensions)
+        return cls(keys, extensions, odd)
 
 
 def _text(rows: np.ndarray) -> str:
@@ -231,16 +250,9 @@ def _text(rows: np.ndarray) -> str:
 
 _SEPARATOR_BYTE = 1  # (no name in a run holds a control character)
 _SEPARATOR = chr(_SEPARATOR_BYTE)
-
-
-def _checksums_match(headers: np.ndarray) -> bool:
-    """Whether every header's stored checksum (six octal digits, then NUL: the common layout) matches
-    its bytes. Any other layout counts as a mismatch here: the general walk checks it exactly."""
-    wide = headers.astype(np.float32)
-    sums = wide @ _CHECKSUM_WEIGHTS + 8 * 32
-    digits = headers[:, 148:154]
-    plain = (headers[:, 154] == 0) & ((digits >= 48) & (digits <= 55)).all(axis=1)
-    return bool((plain & (wide[:, 148:154] @ _OCTAL_PLACES - _OCTAL_BIAS == sums)).all())
+_UNRUNNABLE = np.ones(256, dtype=bool)  # name bytes a run leaves to the general walk
+_UNRUNNABLE[32:127] = False  # printable ASCII...
+_UNRUNNABLE[ord("/")] = True  # ...but a directory's: the general walk splits the basename
 
 
 def _samples(
@@ -248,12 +260,13 @@ def _samples(
     keys: list[str],
     extensions: list[str],
     payloads: list[bytes],
-    ordinals: range,
+    first: int,
     offsets: np.ndarray,
     counts: np.ndarray,
-) -> list[dict[str, Any]] | None:
-    """The run's sample dicts, fields in the general walk's order; None when a sample has an extension
-    twice (or one named like a field of its own): the general walk reports it."""
+) -> list[dict[str, Any]]:
+    """The run's sample dicts, fields in the general walk's order, up to the first with an extension twice
+    (or one named like a field of its own): the general walk reports it."""
+    ordinals = range(first, first + len(keys))
     starts = offsets.tolist()
     widths = counts.tolist()
     if widths.count(2) == len(widths):  # (the common shape, a text and its metadata: one dict display)
@@ -271,4 +284,8 @@ def _samples(
             begin, end = end, end + width
             sample.update(zip(extensions[begin:end], payloads[begin:end], strict=True))
             samples.append(sample)
-    return samples if list(map(len, samples)) == (counts + 4).tolist() else None
+    expected = (counts + 4).tolist()
+    sizes = list(map(len, samples))
+    if sizes != expected:
+        del samples[next(i for i, (a, b) in enumerate(zip(sizes, expected, strict=True)) if a != b) :]
+    return samples
