@@ -238,7 +238,11 @@ class Ledger:
         if lineage is None:
             mark = self.watermark()
             lineage, steps = mark["lineage"], mark["steps"]
-        merged = self.merged(lineage, steps)
+        return self._compact_merged(self.merged(lineage, steps), lineage, steps)
+
+    def _compact_merged(self, merged: Merged, lineage: dict[str, int], steps: dict[str, int | None] | None) -> str:
+        """``compact(lineage, steps)`` of what was read already under that watermark (``merge_under``)."""
+        self.last_read = merged
         summaries = merged.summaries()
         for run, commit in lineage.items():
             # A rank committing this step later would leave no late marker (its first commit there): the
