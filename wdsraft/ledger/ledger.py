@@ -121,8 +121,9 @@ class Ledger:
                 consumed.add_tokens(shard, ordinal, token_end)
         for shard, ordinals in whole.items():
             if not self.repeats_expected:
-                refuse_repeats(shard, ordinals, consumed.samples.get(shard), epoch)
-            consumed.add_samples(shard, ordinals)
+                consumed.add_samples(shard, refuse_repeats(shard, ordinals, consumed.samples.get(shard), epoch))
+            else:
+                consumed.add_samples(shard, ordinals)
 
     def track(self, loader: Any) -> Iterator[Any]:
         """Iterate ``loader``, recording each batch as it is handed to the training loop."""
