@@ -124,7 +124,7 @@ def test_each_command_reads_each_object_and_listing_once(ledger_path: str, tmp_p
     assert repeated == {key: [] for key in repeated}
 
 
-def test_a_torn_snapshot_written_last_is_read_once(ledger_path: str, monkeypatch, caplog) -> None:
+def test_a_torn_snapshot_written_last_is_read_once(ledger_path: str, monkeypatch, caplog, capsys) -> None:
     """``compact`` where the snapshot written last (of the same watermark) is torn: the view and the merge
     both look at it, one read and one parse between them; the warnings say it is torn, and the rank files
     are read instead."""
@@ -133,9 +133,12 @@ def test_a_torn_snapshot_written_last_is_read_once(ledger_path: str, monkeypatch
     assert main(["ledger", "compact", path]) == 0
     url = read_bytes(f"{path}/snapshots/latest").decode()
     write_bytes_atomic(url, read_bytes(url)[:-7])
+    capsys.readouterr()
     reads = Reads(monkeypatch, path)
     assert main(["ledger", "compact", path]) == 0
     assert reads.twice() == []
     assert f"ignoring the ledger snapshot {url}: " in caplog.text
     assert f"ignoring the ledger snapshot {url}, reading the rank files instead: " in caplog.text
-    assert Snapshot.parse(url, read_bytes(url)).lineage == {"a": 2}  # (written again, whole)
+    rewritten = Snapshot.parse(url, read_bytes(url))  # (written again, whole, from every rank's file)
+    assert rewritten.lineage == {"a": 2} and rewritten.epochs[0].count() == RANKS * 4
+    assert f"{RANKS} rank files merged" in capsys.readouterr().out

@@ -121,6 +121,7 @@ class RankListing:
         self.path = path
         self._runs: dict[str, list[Listed]] = {}
         self._whole: list[Listed] | None = None  # every run, from one listing of the ledger
+        self._grouped: dict[str, list[Listed]] | None = None  # ``_whole`` by run
 
     def everything(self) -> list[str]:
         """Every rank file's URL (one listing of the whole ledger)."""
@@ -131,8 +132,13 @@ class RankListing:
     def of(self, runs: Iterable[str]) -> dict[str, list[Listed]]:
         """The rank files of each of ``runs``, listed in parallel where not listed already."""
         chosen = sorted(set(runs))
-        if self._whole is not None:
-            return {run: [item for item in self._whole if item.run == run] for run in chosen}
+        if self._whole is not None:  # (a run not in it has no rank file)
+            if self._grouped is None:
+                self._grouped = {}
+                for item in self._whole:
+                    if item.run is not None:
+                        self._grouped.setdefault(item.run, []).append(item)
+            return {run: self._grouped.get(run, []) for run in chosen}
         missing = [run for run in chosen if run not in self._runs]
         self._runs.update(zip(missing, parallel_map(functools.partial(_list, self.path), missing), strict=True))
         return {run: self._runs[run] for run in chosen}

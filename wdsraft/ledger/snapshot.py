@@ -13,6 +13,9 @@ first, ``PATH/late/run-RUN/rank-NNNNN.commit-N.step-S``; a snapshot that covers 
 that rank's commit N is stale for the run, whose files are then read again on top of it (one listing of
 ``PATH/late/`` per read: late commits are rare). The snapshot records, per run, each rank's last commit it
 merged, to tell.
+
+A command reads the snapshots, the late markers and the listings of rank files once, however many of its
+steps look at them (``LedgerReads``).
 """
 
 from __future__ import annotations
