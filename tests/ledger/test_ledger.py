@@ -544,6 +544,37 @@ def test_ledger_refuses_samples_split_into_several_items(tmp_path, urls, split, 
             pass
 
 
+def test_a_batchs_ordinals_become_a_bitmap_once(tmp_path, monkeypatch) -> None:
+    """Checking a batch for repeats and recording it share one bitmap of its ordinals (per shard per batch):
+    each ordinal is turned into a bitmap entry once, checked or not; a repeat is still refused."""
+    from pyroaring import BitMap
+
+    from wdsraft.ledger import consumed
+
+    converted = Counter()
+
+    class Counting(BitMap):  # counts the ordinals handed in as Python ints (not as a bitmap)
+        def __init__(self, values=None, *args, **kwargs) -> None:
+            if values is not None and not isinstance(values, BitMap):
+                converted["ordinals"] += len(values)
+
+        def update(self, *values) -> None:
+            converted["ordinals"] += sum(len(v) for v in values if not isinstance(v, BitMap))
+            super().update(*values)
+
+    monkeypatch.setattr(consumed, "BitMap", Counting)
+    ledger = wds.Ledger(str(tmp_path / "l"), run="r", rank=0, world_size=1)
+    batch = {"__url__": ["a.tar"] * 64 + ["b.tar"] * 32, "__ordinal__": [*range(64), *range(100, 132)]}
+    ledger.record(batch, epoch=0)
+    assert converted["ordinals"] == 96
+    ledger.repeats_expected = True
+    ledger.record({"__url__": ["a.tar"] * 8, "__ordinal__": list(range(64, 72))}, epoch=0)
+    assert converted["ordinals"] == 104 and ledger.pending[0].samples["a.tar"] == BitMap(range(72))
+    ledger.repeats_expected = False
+    with pytest.raises(LedgerError, match=r"sample 3 of a\.tar reached the training loop twice in epoch 0"):
+        ledger.record({"__url__": ["a.tar"] * 2, "__ordinal__": [200, 3]}, epoch=0)
+
+
 @pytest.mark.parametrize("through", ["webloader", "pipeline"])
 def test_ledger_takes_resampled_shards_that_repeat_samples(tmp_path, urls, through) -> None:
     """Shards drawn with replacement repeat samples within an epoch by design: not refused, whether the ledger

@@ -14,7 +14,7 @@ import wdsraft as wds
 from wdsraft.cli import main
 from wdsraft.core.errors import StateMismatchError
 from wdsraft.ledger import RankFile, identity, merged
-from wdsraft.ledger.rank_file import committed_in, complete_steps, summarize
+from wdsraft.ledger.rank_file import committed_in, summarize
 from wdsraft.ledger.snapshot import late_commits
 
 WORLD = 4
@@ -164,10 +164,10 @@ def test_a_step_one_rank_committed_twice_and_another_never_is_not_complete(tmp_p
     never.record({"__url__": ["s1.tar"], "__ordinal__": [0]}, epoch=0)
     never.commit(step=4)
     files = list(wds.Ledger(path, run="check").rank_files())
-    assert complete_steps(files) == {} and committed_in(summarize(files))[0] == {}
+    assert summarize(files)["a"].complete() == {} and committed_in(summarize(files))[0] == {}
     never.commit(step=5)
     files = list(wds.Ledger(path, run="check").rank_files())
-    assert set(complete_steps(files)["a"]) == {5}
+    assert set(summarize(files)["a"].complete()) == {5}
 
 
 def test_rewind_removes_the_late_markers_of_the_commits_it_drops(tmp_path, capsys) -> None:

@@ -41,7 +41,12 @@ def describe(value: Any) -> Any:
 
 
 def fingerprint(config: Any) -> str:
-    text = json.dumps(describe(config), sort_keys=True, separators=(",", ":"))
+    return text_fingerprint(json.dumps(describe(config), sort_keys=True, separators=(",", ":")))
+
+
+def text_fingerprint(text: str) -> str:
+    """The fingerprint of a configuration already described as text (``config_text``): what ``fingerprint``
+    returns for that configuration, without describing it again."""
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 

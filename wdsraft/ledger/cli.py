@@ -21,7 +21,7 @@ from wdsraft.ledger.ledger import Ledger
 from wdsraft.ledger.merged import merge_under, read_rank_files
 from wdsraft.ledger.overview import LedgerView, view_ledger
 from wdsraft.ledger.rank_file import SUFFIX, RankFile, committed_in, counted
-from wdsraft.ledger.reading import list_rank_files, parallel_map, read_optional
+from wdsraft.ledger.reading import RankListing, parallel_map, read_optional
 from wdsraft.ledger.snapshot import Snapshot, late_commits, late_marker_url, snapshot_urls
 
 logger = logging.getLogger(__name__)
@@ -182,7 +182,7 @@ def _consumed(
         return _epochs(view.files, watermark), _identities(view.files, watermark)
     identities = ShardIdentities(args.path)
     merged = merge_under(
-        args.path, *watermark, identities, progress="reading the ledger", known=view.files, have=view.snapshot
+        args.path, *watermark, identities, progress="reading the ledger", known=view.files, reads=view.reads
     )
     return merged.epochs, identities
 
@@ -230,7 +230,7 @@ def _refuse_uncommitted(path: str, watermark: dict[str, Any], view: LedgerView, 
         if step is None or summary is None or step in summary.complete():
             continue
         # (the ranks that lack it, from the run's files: read now if the view took the run from a snapshot)
-        files = [f for f in view.files if f.run == run] or list(read_rank_files(list_rank_files(ledger, [run])))
+        files = [f for f in view.files if f.run == run] or list(read_rank_files(_listing(view, ledger).urls([run])))
         missing = sorted(f.rank for f in files if f.run == run and not any(c.get("step") == step for c in f.commits))
         raise LedgerError(
             path,
@@ -238,6 +238,11 @@ def _refuse_uncommitted(path: str, watermark: dict[str, Any], view: LedgerView, 
             f"{missing or 'absent'} have no commit there): this checkpoint was never committed; give a committed "
             "checkpoint, or --all-commits to count every commit",
         )
+
+
+def _listing(view: LedgerView, ledger: str) -> RankListing:
+    """The rank files listed to make the view (a run listed there is not listed again)."""
+    return view.reads.listing if view.reads is not None else RankListing(ledger)
 
 
 def _watermark_from_checkpoint(path: str) -> dict[str, Any]:
@@ -518,11 +523,18 @@ def _remove_snapshots_beyond(path: str, watermark: Watermark) -> None:
 
 def cmd_compact(args: argparse.Namespace) -> int:
     # (a watermark typed in needs no reading of the rank files to find it: only the runs it names are read)
-    watermark = args.lineage if args.lineage is not None else _survey(args)[1]
+    view: LedgerView | None = None
+    watermark: Watermark = args.lineage
+    if args.lineage is None:
+        view, watermark = _survey(args)
     if not watermark[0]:
         raise LedgerError(args.path, "no watermark to compact under (no step that every rank of a run committed)")
     reader = _reader(args.path)
-    url = reader.compact(*watermark)
+    if view is None:
+        url = reader.compact(*watermark)
+    else:  # (what finding the watermark read, the snapshot, the late markers, the files, is not read again)
+        merged = merge_under(args.path, *watermark, reader._identities, known=view.files, reads=view.reads)
+        url = reader._compact_merged(merged, *watermark)
     read = reader.last_read
     start = f" (from {read.snapshot.url})" if read and read.snapshot else ""
     print(f"wrote {url}: {_lineage_text(*watermark)}, {read.files_read if read else 0} rank files merged{start}")

@@ -165,8 +165,9 @@ class PieceOrder:
                     self.next_token.popitem(last=False)
 
 
-def refuse_repeats(shard: str, ordinals: list[int], recorded: BitMap | None, epoch: int) -> None:
-    """Stops a run that delivers a whole sample twice in one epoch before the ledger records it.
+def refuse_repeats(shard: str, ordinals: list[int], recorded: BitMap | None, epoch: int) -> BitMap:
+    """Stops a run that delivers a whole sample twice in one epoch before the ledger records it; returns
+    the batch's ordinals as a bitmap (``add_samples`` takes it: the ordinals are not turned into one twice).
 
     The ledger counts whole samples: a sample split into several items (``unlisted``, a flat-map, a
     ``concat_datasets`` of one dataset twice) is marked consumed with its first item, so an elastic
@@ -174,7 +175,7 @@ def refuse_repeats(shard: str, ordinals: list[int], recorded: BitMap | None, epo
     between the commits' batches (a split's items mostly travel close together)."""
     batch = BitMap(ordinals)
     if len(batch) == len(ordinals) and not (recorded is not None and recorded.intersect(batch)):
-        return
+        return batch
     seen = collections.Counter(ordinals)
     again = next(o for o in ordinals if seen[o] > 1 or (recorded is not None and o in recorded))
     raise LedgerError(

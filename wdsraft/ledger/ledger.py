@@ -121,8 +121,9 @@ class Ledger:
                 consumed.add_tokens(shard, ordinal, token_end)
         for shard, ordinals in whole.items():
             if not self.repeats_expected:
-                refuse_repeats(shard, ordinals, consumed.samples.get(shard), epoch)
-            consumed.add_samples(shard, ordinals)
+                consumed.add_samples(shard, refuse_repeats(shard, ordinals, consumed.samples.get(shard), epoch))
+            else:
+                consumed.add_samples(shard, ordinals)
 
     def track(self, loader: Any) -> Iterator[Any]:
         """Iterate ``loader``, recording each batch as it is handed to the training loop."""
@@ -238,7 +239,11 @@ class Ledger:
         if lineage is None:
             mark = self.watermark()
             lineage, steps = mark["lineage"], mark["steps"]
-        merged = self.merged(lineage, steps)
+        return self._compact_merged(self.merged(lineage, steps), lineage, steps)
+
+    def _compact_merged(self, merged: Merged, lineage: dict[str, int], steps: dict[str, int | None] | None) -> str:
+        """``compact(lineage, steps)`` of what was read already under that watermark (``merge_under``)."""
+        self.last_read = merged
         summaries = merged.summaries()
         for run, commit in lineage.items():
             # A rank committing this step later would leave no late marker (its first commit there): the

@@ -18,8 +18,8 @@ from wdsraft.core.errors import LedgerError, StateMismatchError
 from wdsraft.ledger.consumed import ConsumedSet
 from wdsraft.ledger.identity import Identity, ShardIdentities
 from wdsraft.ledger.rank_file import RankFile, RunSummary, counted
-from wdsraft.ledger.reading import list_rank_files, parallel_map, read_bytes
-from wdsraft.ledger.snapshot import Snapshot, find_snapshot, late_commits
+from wdsraft.ledger.reading import parallel_map, read_bytes
+from wdsraft.ledger.snapshot import LedgerReads, Snapshot, find_snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ class Merged:
 
     epochs: dict[int, ConsumedSet]
     snapshot: Snapshot | None  # the snapshot it started from
-    files_read: int  # rank files read besides it
+    files_read: int  # rank files merged besides it (read here, or given as read already)
     read_ranks: dict[str, dict[int, int]] = field(default_factory=dict)  # of the runs read: rank -> last commit
     stale: set[str] = field(default_factory=set)  # runs of the snapshot read again for late commits
     shards: dict[str, Identity] = field(default_factory=dict)  # the dataset identities recorded
@@ -63,12 +63,14 @@ def merge_under(
     use_snapshots: bool = True,
     progress: str | None = None,
     known: Iterable[RankFile] = (),
-    have: Snapshot | None = None,
+    reads: LedgerReads | None = None,
 ) -> Merged:
     """Merge what the commits counted under the watermark consumed, per epoch, learning the dataset
     identities they recorded into ``identities``. Only the runs of the lineage are listed and read: the
-    commits of other runs never count. ``known``, ``have``: rank files (whole) and a snapshot read already."""
-    snapshot = find_snapshot(path, lineage, steps, have) if use_snapshots and lineage else None
+    commits of other runs never count. ``known``, ``reads``: rank files (whole), and the snapshots, late
+    markers and listings, read already (by this command: none is read again)."""
+    reads = reads if reads is not None else LedgerReads(path)
+    snapshot = find_snapshot(path, lineage, steps, reads) if use_snapshots and lineage else None
     epochs: dict[int, ConsumedSet] = defaultdict(ConsumedSet)
     ranks: dict[str, dict[int, int]] = {}
     summaries: dict[str, RunSummary] = {}
@@ -76,7 +78,7 @@ def merge_under(
     if snapshot is not None:
         epochs.update(snapshot.epochs)
         identities.learn_recorded(snapshot.shards, snapshot.unrecorded, snapshot.url)
-        stale = snapshot.stale(late_commits(path))
+        stale = snapshot.stale(reads.late())
         if stale:
             logger.warning(
                 "ledger snapshot %s: ranks of runs %s committed within it after it was written: reading their files",
@@ -85,7 +87,7 @@ def merge_under(
             )
         runs = snapshot.runs_to_read(lineage, steps) | stale
         logger.info("ledger: read %s; %d runs after it to read", snapshot.url, len(runs))
-    urls = list_rank_files(path, runs) if runs else []
+    urls = reads.listing.urls(runs) if runs else []
     given = {rank_file.url: rank_file for rank_file in known}
     fetch = [url for url in urls if url not in given]
     for rank_file in itertools.chain((given[url] for url in urls if url in given), read_rank_files(fetch, progress)):
@@ -97,7 +99,7 @@ def merge_under(
                 per_run[rank_file.rank] = max(per_run.get(rank_file.rank, 0), commit["commit"])
                 for epoch, record in commit["epochs"].items():
                     epochs[int(epoch)].update(ConsumedSet.from_plain(record))
-    merged = Merged(dict(sorted(epochs.items())), snapshot, len(fetch), ranks, stale)
+    merged = Merged(dict(sorted(epochs.items())), snapshot, len(urls), ranks, stale)
     merged.shards, merged.unrecorded = dict(identities.recorded), identities.unrecorded_seen
     merged.read_runs, merged.reread = summaries, set(runs)
     return merged

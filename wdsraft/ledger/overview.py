@@ -12,15 +12,12 @@ differ, and every run it does not cover, are read whole. Earlier runs are as the
 from __future__ import annotations
 
 import logging
-import os
-import posixpath
 from dataclasses import dataclass, field
 
-from wdsraft.io.storage import local_path
 from wdsraft.ledger.merged import read_rank_files
-from wdsraft.ledger.rank_file import SUFFIX, RankFile, RunSummary, summarize
-from wdsraft.ledger.reading import list_objects_sized, list_rank_files, list_runs
-from wdsraft.ledger.snapshot import Snapshot, late_commits, latest_snapshot
+from wdsraft.ledger.rank_file import RankFile, RunSummary, summarize
+from wdsraft.ledger.reading import list_runs
+from wdsraft.ledger.snapshot import LedgerReads, Snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -31,20 +28,24 @@ class LedgerView:
     files: list[RankFile]  # the rank files read (whole)
     snapshot: Snapshot | None = None  # where the summaries of the other runs come from
     trusted: set[str] = field(default_factory=set)  # runs as the snapshot recorded them (files not read)
+    reads: LedgerReads | None = None  # what was read (snapshots, late markers, listings): not read again
 
 
 def view_ledger(path: str, use_snapshot: bool = True, progress: str | None = None) -> LedgerView:
     """Every run's summary: from the snapshot written last where it can vouch for the run, else its files."""
-    snapshot = latest_snapshot(path) if use_snapshot else None
+    reads = LedgerReads(path)
+    snapshot = reads.latest() if use_snapshot else None
     if snapshot is None or not snapshot.summaries():
-        files = list(read_rank_files(list_rank_files(path), progress))
-        return LedgerView(summarize(files), files)
+        files = list(read_rank_files(reads.listing.everything(), progress))
+        return LedgerView(summarize(files), files, reads=reads)
     listed = set(list_runs(path))
     covered = set(snapshot.summaries()) & listed
-    stale = snapshot.stale(late_commits(path))
+    stale = snapshot.stale(reads.late())
     recorded = snapshot.summaries()
     parents = {parent for run in covered for lineage, _ in recorded[run].parents for parent in lineage}
-    changed = {run for run in covered - parents if rank_file_sizes(path, run) != _recorded_sizes(recorded[run])}
+    # One listing per run, in parallel, of the runs whose sizes are compared and of those read whole.
+    reads.listing.of((covered - parents) | (listed - covered) | (stale & covered))
+    changed = {run for run in covered - parents if reads.listing.sizes(run) != _recorded_sizes(recorded[run])}
     trusted = covered - stale - changed
     logger.info(
         "ledger: %d runs as %s recorded them; reading the files of %d runs (%d it does not cover, %d changed since)",
@@ -54,26 +55,10 @@ def view_ledger(path: str, use_snapshot: bool = True, progress: str | None = Non
         len(listed - covered),
         len((stale | changed) & covered),
     )
-    files = list(read_rank_files(list_rank_files(path, listed - trusted), progress)) if listed - trusted else []
+    files = list(read_rank_files(reads.listing.urls(listed - trusted), progress)) if listed - trusted else []
     runs = {run: recorded[run] for run in sorted(trusted)} | summarize(files)
-    return LedgerView(runs, files, snapshot, trusted)
+    return LedgerView(runs, files, snapshot, trusted, reads)
 
 
 def _recorded_sizes(summary: RunSummary) -> dict[int, int]:
     return {rank: size for rank, (size, _) in summary.files.items()}
-
-
-def rank_file_sizes(path: str, run: str) -> dict[int, int]:
-    """Each rank file of a run and its size in bytes, from one listing (local: a directory's, S3: a prefix's)."""
-    folder = posixpath.join(path, f"run-{run}")
-    local = local_path(folder)
-    if local is not None:
-        names = sorted(os.listdir(local)) if os.path.isdir(local) else []
-        found = [(name, os.path.getsize(os.path.join(local, name))) for name in names]
-    else:
-        found = list_objects_sized(folder.rstrip("/") + "/")
-    sizes = {}
-    for name, size in found:
-        if name.startswith("rank-") and name.endswith(SUFFIX) and name[len("rank-") : -len(SUFFIX)].isdigit():
-            sizes[int(name[len("rank-") : -len(SUFFIX)])] = size
-    return sizes

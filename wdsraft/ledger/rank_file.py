@@ -227,7 +227,9 @@ class RunSummary:
 
     def complete(self) -> dict[int, tuple[int, float]]:
         """The marks every rank of the run committed at, each with the highest commit number there and the
-        time of the last of those commits; none where a rank never committed."""
+        time of the last of those commits; none where a rank never committed (a checkpoint is committed only
+        once every rank wrote it, after committing the ledger: a step some rank never reached is no checkpoint
+        anyone can resume from). Commits without a step are keyed by minus their commit number."""
         if len(self.files) < self.world_size:
             return {}
         return {mark: (commit, when) for mark, (ranks, commit, when) in self.marks.items() if ranks >= self.world_size}
@@ -267,14 +269,6 @@ def summarize(files: Iterable[RankFile]) -> dict[str, RunSummary]:
     for rank_file in files:
         runs.setdefault(rank_file.run, RunSummary(rank_file.run, rank_file.world_size)).add_file(rank_file)
     return runs
-
-
-def complete_steps(files: list[RankFile]) -> dict[str, dict[int, tuple[int, float]]]:
-    """Per run, the steps at which every rank of the run committed, each with the highest commit number
-    of the ranks there and the time of the last of those commits. A checkpoint is committed only once
-    every rank wrote it, after committing the ledger: a step that some rank never reached is no
-    checkpoint anyone can resume from. Commits without a step are keyed by minus their commit number."""
-    return {run: summary.complete() for run, summary in summarize(files).items() if summary.complete()}
 
 
 def committed_in(runs: dict[str, RunSummary]) -> tuple[dict[str, int], dict[str, int | None], str]:

@@ -12,7 +12,7 @@ import posixpath
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from wdsraft.io.ranged import split_s3_url
 from wdsraft.io.s3 import list_objects, s3_endpoint_url
@@ -100,13 +100,65 @@ def parallel_map(
 def list_rank_files(path: str, runs: Iterable[str] | None = None) -> list[str]:
     """URLs of the rank files under a ledger ``path``, sorted: all of them, or only those of ``runs``
     (one listing per run: a resume reads the runs of its lineage, not the whole ledger)."""
-    if runs is None:
-        return _list(path, None)
-    chosen = sorted(set(runs))
-    return sorted(url for found in parallel_map(functools.partial(_list, path), chosen) for url in found)
+    listing = RankListing(path)
+    return listing.everything() if runs is None else listing.urls(runs)
 
 
-def _list(path: str, run: str | None) -> list[str]:
+class Listed(NamedTuple):
+    """One rank file of a listing."""
+
+    url: str
+    run: str | None  # the run of the ``run-RUN`` folder it is in (None: in none)
+    name: str  # its name within that folder
+    size: int  # bytes
+
+
+class RankListing:
+    """The rank files of a ledger, each run listed at most once (one command asks for the same runs at
+    several points: sizes to compare, files to read, a snapshot's runs to read on top of it)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._runs: dict[str, list[Listed]] = {}
+        self._whole: list[Listed] | None = None  # every run, from one listing of the ledger
+        self._grouped: dict[str, list[Listed]] | None = None  # ``_whole`` by run
+
+    def everything(self) -> list[str]:
+        """Every rank file's URL (one listing of the whole ledger)."""
+        if self._whole is None:
+            self._whole = _list(self.path, None)
+        return [item.url for item in self._whole]
+
+    def of(self, runs: Iterable[str]) -> dict[str, list[Listed]]:
+        """The rank files of each of ``runs``, listed in parallel where not listed already."""
+        chosen = sorted(set(runs))
+        if self._whole is not None:  # (a run not in it has no rank file)
+            if self._grouped is None:
+                self._grouped = {}
+                for item in self._whole:
+                    if item.run is not None:
+                        self._grouped.setdefault(item.run, []).append(item)
+            return {run: self._grouped.get(run, []) for run in chosen}
+        missing = [run for run in chosen if run not in self._runs]
+        self._runs.update(zip(missing, parallel_map(functools.partial(_list, self.path), missing), strict=True))
+        return {run: self._runs[run] for run in chosen}
+
+    def urls(self, runs: Iterable[str]) -> list[str]:
+        return sorted(item.url for found in self.of(runs).values() for item in found)
+
+    def sizes(self, run: str) -> dict[int, int]:
+        """Each rank of a run and the size of its file in bytes."""
+        sizes = {}
+        for item in self.of([run])[run]:
+            digits = item.name[len("rank-") : -len(RANK_SUFFIX)]
+            if item.name.startswith("rank-") and item.name.endswith(RANK_SUFFIX) and digits.isdigit():
+                sizes[int(digits)] = item.size
+        return sizes
+
+
+def _list(path: str, run: str | None) -> list[Listed]:
+    """The rank files of one run, or of every run (``run`` None), with their sizes: one listing (of a
+    directory per run where local, of a prefix on S3, where sizes come with the names)."""
     local = local_path(path)
     if local is not None:
         if not os.path.isdir(local):
@@ -116,14 +168,22 @@ def _list(path: str, run: str | None) -> list[str]:
         for name in names:
             directory = os.path.join(local, name)
             if name.startswith("run-") and os.path.isdir(directory):
-                found += [os.path.join(directory, f) for f in sorted(os.listdir(directory)) if f.endswith(RANK_SUFFIX)]
+                with os.scandir(directory) as entries:
+                    files = sorted((e.name, e.stat().st_size) for e in entries if e.name.endswith(RANK_SUFFIX))
+                found += [Listed(os.path.join(directory, f), name[len("run-") :], f, size) for f, size in files]
         return found
     bucket, prefix = split_s3_url(path)
     # (a ledger at the bucket's root lists the whole bucket: Prefix="/" would list nothing)
     base = prefix.rstrip("/") + "/" if prefix else ""
     if run is not None:
         base += f"run-{run}/"
-    return [item.url for item in list_objects(f"s3://{bucket}/{base}") if item.key.endswith(RANK_SUFFIX)]
+    found = []
+    for item in list_objects(f"s3://{bucket}/{base}"):
+        if item.key.endswith(RANK_SUFFIX):
+            folder, _, name = item.name.partition("/") if run is None else (f"run-{run}", "/", item.name)
+            in_run = folder.startswith("run-") and bool(name)
+            found.append(Listed(item.url, folder[len("run-") :] if in_run else None, name, item.size))
+    return found
 
 
 def list_under(path: str, folder: str) -> list[str]:
@@ -151,8 +211,3 @@ def list_runs(path: str) -> list[str]:
             if name.startswith("run-"):
                 runs.append(name[len("run-") :])
     return sorted(runs)
-
-
-def list_objects_sized(prefix_url: str) -> list[tuple[str, int]]:
-    """(name after the prefix, size) of the objects directly under an S3 prefix."""
-    return [(item.name, item.size) for item in list_objects(prefix_url, delimiter="/")]

@@ -13,6 +13,9 @@ first, ``PATH/late/run-RUN/rank-NNNNN.commit-N.step-S``; a snapshot that covers 
 that rank's commit N is stale for the run, whose files are then read again on top of it (one listing of
 ``PATH/late/`` per read: late commits are rare). The snapshot records, per run, each rank's last commit it
 merged, to tell.
+
+A command reads the snapshots, the late markers and the listings of rank files once, however many of its
+steps look at them (``LedgerReads``).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from wdsraft.ledger.consumed import ConsumedSet
 from wdsraft.ledger.envelope import seal, unseal
 from wdsraft.ledger.identity import Identity
 from wdsraft.ledger.rank_file import RunSummary
-from wdsraft.ledger.reading import list_under, parallel_map, read_optional
+from wdsraft.ledger.reading import RankListing, list_under, parallel_map, read_optional
 
 logger = logging.getLogger(__name__)
 
@@ -213,22 +216,79 @@ def late_commits(path: str) -> Late:
     return found
 
 
+Parsed = Snapshot | LedgerError | None  # a snapshot read: None where it is not there, the error where torn
+
+
+class LedgerReads:
+    """What one command (a read of the ledger, ``wdsraft ledger show``) has read of a ledger so far, so that it
+    reads each object and each listing once: the snapshots (the one written last among them), the late
+    markers, the rank files listed per run."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.listing = RankListing(path)
+        self._snapshots: dict[str, Parsed] = {}
+        self._latest: list[Snapshot | None] = []  # (empty: not read yet)
+        self._late: Late | None = None
+
+    def snapshots(self, urls: list[str]) -> list[Parsed]:
+        """The snapshot at each URL, those not read yet read in parallel, each parsed once."""
+        missing = [url for url in dict.fromkeys(urls) if url not in self._snapshots]
+        for url, raw in zip(missing, parallel_map(read_optional, missing), strict=True):
+            try:
+                self._snapshots[url] = Snapshot.parse(url, raw) if raw is not None else None
+            except LedgerError as exn:
+                self._snapshots[url] = exn
+        return [self._snapshots[url] for url in urls]
+
+    def latest(self) -> Snapshot | None:
+        """The snapshot written last (``latest`` names it), if it is there, whole and of this ledger (read once)."""
+        if not self._latest:
+            self._latest.append(self._find_latest())
+        return self._latest[0]
+
+    def _find_latest(self) -> Snapshot | None:
+        path = self.path
+        pointer = read_optional(posixpath.join(path, SNAPSHOT_DIR, LATEST))
+        if pointer is None:
+            return None
+        url = pointer.decode(errors="replace")
+        if not url.startswith(path.rstrip("/") + "/" + SNAPSHOT_DIR + "/"):
+            logger.warning(
+                "ignoring %s/%s/%s: it names %s, not a snapshot of this ledger", path, SNAPSHOT_DIR, LATEST, url
+            )
+            return None
+        snapshot = self.snapshots([url])[0]
+        if isinstance(snapshot, LedgerError):
+            logger.warning("ignoring the ledger snapshot %s: %s", url, snapshot)
+            return None
+        if snapshot is not None and snapshot.ledger.rstrip("/") != path.rstrip("/"):
+            logger.warning("ignoring the ledger snapshot %s: it is the snapshot of another ledger", url)
+            return None
+        return snapshot
+
+    def late(self) -> Late:
+        """``late_commits(path)``, once."""
+        if self._late is None:
+            self._late = late_commits(self.path)
+        return self._late
+
+
 def find_snapshot(
-    path: str, lineage: dict[str, int], steps: dict[str, int | None] | None, have: Snapshot | None = None
+    path: str, lineage: dict[str, int], steps: dict[str, int | None] | None, reads: LedgerReads | None = None
 ) -> Snapshot | None:
     """The snapshot to start reading ``path`` under a watermark from: the one of that watermark itself
-    (one read, none where ``have`` is it), else the one written last if it is within the watermark,
-    else the usable one covering the most runs among those in ``PATH/snapshots``. Those that may not be
-    used are skipped with a warning saying why."""
+    (one read), else the one written last if it is within the watermark, else the usable one covering the
+    most runs among those in ``PATH/snapshots``. Those that may not be used are skipped with a warning
+    saying why. ``reads``: what this command read already (not read again)."""
+    reads = reads if reads is not None else LedgerReads(path)
     exact = snapshot_url(path, lineage, steps)
-    if have is not None and have.url == exact and have.refusal(path, lineage, steps) is None:
-        return have
-    found = _usable(exact, read_optional(exact), path, lineage, steps)
+    found = _usable(exact, reads.snapshots([exact])[0], path, lineage, steps)
     if found is not None:
         return found
     # The snapshot written last, where it is within the watermark: the newest part of it there is (rank 0
     # keeps a few per run, so the folder may hold many large snapshots not worth reading one by one).
-    latest = latest_snapshot(path)
+    latest = reads.latest()
     if latest is not None and latest.url != exact and latest.refusal(path, lineage, steps) is None:
         return latest
     others = [url for url in list_under(path, SNAPSHOT_DIR) if url.endswith(SNAPSHOT_SUFFIX) and url != exact]
@@ -237,8 +297,8 @@ def find_snapshot(
         others = others[:SCAN_LIMIT]
     candidates = [
         snapshot
-        for url, raw in zip(others, parallel_map(read_optional, others), strict=True)
-        if (snapshot := _usable(url, raw, path, lineage, steps)) is not None
+        for url, parsed in zip(others, reads.snapshots(others), strict=True)
+        if (snapshot := _usable(url, parsed, path, lineage, steps)) is not None
     ]
     if not candidates:
         return None
@@ -246,20 +306,15 @@ def find_snapshot(
 
 
 def _usable(
-    url: str, raw: bytes | None, path: str, lineage: dict[str, int], steps: dict[str, int | None] | None
+    url: str, parsed: Parsed, path: str, lineage: dict[str, int], steps: dict[str, int | None] | None
 ) -> Snapshot | None:
-    if raw is None:
+    if parsed is None:
         return None
-    try:
-        snapshot = Snapshot.parse(url, raw)
-    except LedgerError as exn:
-        logger.warning("ignoring the ledger snapshot %s, reading the rank files instead: %s", url, exn)
-        return None
-    why = snapshot.refusal(path, lineage, steps)
-    if why is not None:
+    why = str(parsed) if isinstance(parsed, LedgerError) else parsed.refusal(path, lineage, steps)
+    if why is not None or isinstance(parsed, LedgerError):
         logger.warning("ignoring the ledger snapshot %s, reading the rank files instead: %s", url, why)
         return None
-    return snapshot
+    return parsed
 
 
 def write_snapshot(snapshot: Snapshot) -> str:
@@ -270,27 +325,6 @@ def write_snapshot(snapshot: Snapshot) -> str:
     snapshot.url = url
     write_bytes_atomic(posixpath.join(snapshot.ledger, SNAPSHOT_DIR, LATEST), url.encode())
     return url
-
-
-def latest_snapshot(path: str) -> Snapshot | None:
-    """The snapshot written last (``latest`` names it), if it is there, whole and of this ledger."""
-    pointer = read_optional(posixpath.join(path, SNAPSHOT_DIR, LATEST))
-    if pointer is None:
-        return None
-    url = pointer.decode(errors="replace")
-    if not url.startswith(path.rstrip("/") + "/" + SNAPSHOT_DIR + "/"):
-        logger.warning("ignoring %s/%s/%s: it names %s, not a snapshot of this ledger", path, SNAPSHOT_DIR, LATEST, url)
-        return None
-    raw = read_optional(url)
-    try:
-        snapshot = Snapshot.parse(url, raw) if raw is not None else None
-    except LedgerError as exn:
-        logger.warning("ignoring the ledger snapshot %s: %s", url, exn)
-        return None
-    if snapshot is not None and snapshot.ledger.rstrip("/") != path.rstrip("/"):
-        logger.warning("ignoring the ledger snapshot %s: it is the snapshot of another ledger", url)
-        return None
-    return snapshot
 
 
 def snapshot_urls(path: str) -> Iterable[str]:

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import copy
-import hashlib
 import logging
 import weakref
 from collections.abc import Callable, Iterator
@@ -14,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from wdsraft.core.distributed import WorkerInfo
 from wdsraft.core.errors import StateMismatchError
-from wdsraft.core.state import STATE_FORMAT, STATE_VERSION, config_text
+from wdsraft.core.state import STATE_FORMAT, STATE_VERSION, config_text, text_fingerprint
 from wdsraft.pipeline.addresses import Address
 from wdsraft.pipeline.batch import _Splitter
 from wdsraft.pipeline.client import ClientReader, client_reader_span, composed, passed_through
@@ -497,7 +496,7 @@ def _fingerprint(pipeline: DataPipeline, info: WorkerInfo, text: str) -> str:
 
     if type(pipeline).fingerprint is not DataPipeline.fingerprint:
         return pipeline.fingerprint(info)
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+    return text_fingerprint(text)
 
 
 def counted_items(dataset: Any, taken: Callable[[], int]) -> Iterator[Any]:
