@@ -4,6 +4,7 @@ item's address and how many of its items went past; a restore re-reads it and dr
 
 from __future__ import annotations
 
+import contextlib
 import random
 from collections.abc import Iterator
 from typing import Any
@@ -445,3 +446,83 @@ def test_a_state_at_a_full_with_epoch_window_pulls_nothing_ahead(urls) -> None:
         return list(calls)
 
     assert window(True) == window(False)
+
+
+def test_a_state_pulling_through_a_random_mix_leaves_its_draws_as_they_were(tmp_path) -> None:
+    """A ``RandomMix`` draws on from one pass to the next: an item a state pulled through it that never goes
+    out (the pass ends at a ``slice``) puts its generator back, so taking states changes no later pass."""
+    urls = []
+    for s in range(2):
+        path = tmp_path / f"m{s}.tar"
+        with wds.TarWriter(str(path)) as sink:
+            for n in range(20):
+                sink.write({"__key__": f"{s}k{n:03d}", "txt": b"%d" % n})
+        urls.append(str(path))
+
+    def make() -> wds.DataPipeline:
+        sources = [wds.DataPipeline(wds.SimpleShardList([url]), wds.tarfile_to_samples()) for url in urls]
+        return wds.DataPipeline(wds.RandomMix(sources, seed=3), one_for_one, wds.slice(3)).repeat(3)
+
+    def keys(take_states: bool) -> list[str]:
+        pipeline = make()
+        out = []
+        for sample in pipeline:
+            out.append(sample["__key__"])
+            if take_states:
+                with contextlib.suppress(wds.StateMismatchError):
+                    pipeline.state_dict()
+        return out
+
+    assert keys(True) == keys(False)
+
+
+def _fails_on_a_second_item(src: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """One item per item, then an error part-way through the third (before its second item)."""
+    for sample in src:
+        yield sample
+        if int(sample["__key__"][:5]) == 2:
+            raise ValueError("part-way through item 2")
+
+
+def test_a_pull_that_meets_an_error_in_the_same_item_refuses_the_state(urls) -> None:
+    """A state right after the first item out of item 2 pulls on and meets an error before the next item
+    came in: the function was not done with item 2, so the state is refused (a restore would resume after
+    it, without the rest); the error is raised where it would have been."""
+    pipeline = _pipeline(urls, wds.shuffle(1, initial=1, seed=1), _fails_on_a_second_item, splitter=identity)
+    items = iter(pipeline)
+    seen = [next(items)["__key__"] for _ in range(3)]
+    assert seen[-1].startswith("00002")
+    with pytest.raises(wds.StateMismatchError, match="several items"):
+        pipeline.load_state_dict(pipeline.state_dict())
+    with pytest.raises(ValueError, match="part-way through item 2"):
+        next(items)
+
+
+def test_a_refused_state_pulls_nothing_ahead(urls) -> None:
+    """A state refused anyway (a stage run as a plain function) does not pull: the functions upstream run
+    only as often as without states."""
+    calls: list[str] = []
+
+    def counted(sample: dict[str, Any]) -> dict[str, Any]:
+        calls.append(sample["__key__"])
+        return sample
+
+    def run(take_states: bool) -> int:
+        calls.clear()
+        pipeline = _pipeline(
+            urls,
+            wds.map(counted),
+            wds.shuffle(2, initial=2, seed=1),
+            lambda src: wds.filters._shuffle(src, 2),  # (a stage called as a plain function: refused)
+            one_for_one,
+            splitter=identity,
+        )
+        items = iter(pipeline)
+        for _ in range(4):
+            next(items)
+            if take_states:
+                with contextlib.suppress(wds.StateMismatchError):
+                    pipeline.state_dict()
+        return len(calls)
+
+    assert run(True) == run(False)

@@ -26,7 +26,6 @@ from wdsraft.pipeline.splitwatch import (
     dropping_stages,
     may_split,
     plain_runs,
-    rewind_live_rngs,
     states_before,
 )
 from wdsraft.pipeline.stage import (
@@ -202,21 +201,35 @@ class _Pass:
 
     def state(self, peek: bool = True) -> dict[str, Any]:
         """The pass's state; ``peek``: pull ahead where a plain run may be part-way through an item (not when the
-        pass ends right after this state, as at a full ``with_epoch`` window: it would never hand the item out)."""
+        pass ends right after this state, as at a full ``with_epoch`` window: it would never hand the item out;
+        nor when the state is refused anyway)."""
         states = self._stage_states()
         # An item a state pulled out of a run is still held: the stages before the run stand where they were
         # before the pull (the upstream-most run's pull last: it came first).
         for ahead in self._held():
-            states.update(copy.deepcopy(ahead.state))
-        refused = next((watch for _, watch in self.watches.values() if watch.refused), None)
-        if peek:
+            states.update(copy.deepcopy(ahead.state))  # (the state handed out must not share what is held)
+        # (read before a pull: a drop while pulling comes after this state, whose restore would drop again)
+        refusals = self._drop_refusals()
+        if peek and not refusals and not self._split_refusals():
             self._peek(states)
+        states.update(refusals)
+        states.update(self._split_refusals())
+        return states
+
+    def _split_refusals(self) -> dict[str, Any]:
+        """Refusals for plain functions seen giving several items for one, where no restore can give the rest."""
+        refusals: dict[str, Any] = {}
         tracker = self.tracker
         if tracker is not None and not tracker.rereads and (tracker.split or tracker.count > 1):
-            states["split"] = self._source_split_refusal()
-        split = refused or next((watch for _, watch in self.watches.values() if watch.split), None)
+            refusals["split"] = self._source_split_refusal()
+        split = next((watch for _, watch in self.watches.values() if watch.refused or watch.split), None)
         if split is not None:
-            states["split_after"] = unresumable_state(split.refusal())
+            refusals["split_after"] = unresumable_state(split.refusal())
+        return refusals
+
+    def _drop_refusals(self) -> dict[str, Any]:
+        """Refusals for items dropped between a split and a buffer, and for stages run as plain functions."""
+        refusals: dict[str, Any] = {}
         # (after plain functions that split the source's items only: once they were seen giving several)
         split_seen = self.tracker is not None and (self.tracker.split or self.tracker.count > 1)
         dropped = next(
@@ -224,28 +237,37 @@ class _Pass:
             None,
         )
         if dropped is not None:
-            states["dropped"] = unresumable_state(self._drop_refusal(dropped))
+            refusals["dropped"] = unresumable_state(self._drop_refusal(dropped))
         if self.ctx.unsaved:
-            states["unsaved"] = unresumable_state(
+            refusals["unsaved"] = unresumable_state(
                 f"cannot save this pipeline: {', '.join(self.ctx.unsaved)} runs as a plain function inside it "
                 "(wds.filters._shuffle(src), stage(src)...), so what it holds is saved nowhere; put the stage "
                 "itself in the pipeline (wds.shuffle(...))"
             )
-        return states
+        return refusals
 
     def _peek(self, states: dict[str, Any]) -> None:
         """A state taken right after the first item out of a plain run for an item (and where the run's next one
         would come from is unknown) pulls that next item (``splitwatch.Lookahead``): one from the same item marks
-        the run as splitting (the state is refused); else the state is exact, and the stages before the run keep
-        ``states`` until the item pulled goes out. Costs nothing per item: only states taken there pull."""
+        the run as splitting (the state is refused), and so does an error before the next item; else the state
+        is exact, and the stages before the run keep ``states`` until the item pulled goes out. Costs nothing
+        per item: only states taken there pull."""
         tracker, ahead = self.tracker, self.source_ahead
         if tracker is not None and ahead is not None and tracker.count == 1 and not tracker.split:
             serial = tracker.serial
-            if ahead.pull(states_before(states, ahead.first)) and ahead.stamp[1] == serial:
-                tracker.split = True  # (a second item of the same raw item)
+            ahead.seeds = self._seeds_before(ahead.first)
+            came = ahead.pull(states_before(states, ahead.first))
+            if (came or ahead.raised) and ahead.stamp[1] == serial:
+                tracker.split = True  # (a second item of the same raw item, or an error before the next one)
         for first, (_, watch) in sorted(self.watches.items()):
             if watch.unsure():
+                watch.ahead.seeds = self._seeds_before(first)
                 watch.peek(states_before(states, first))
+
+    def _seeds_before(self, first: int) -> dict[str, Any]:
+        """The seeds and live RNGs the stages before index ``first`` have drawn (``DataPipeline``'s record of
+        what carries over from one pass to the next)."""
+        return {index: seed for index, seed in self.pipeline._drawn_seeds().items() if int(index) < first}
 
     def _held(self) -> list[Lookahead]:
         """The runs holding an item a state pulled ahead, the upstream-most last (its pull came first)."""
@@ -254,11 +276,12 @@ class _Pass:
         return sorted(held, key=lambda ahead: ahead.first, reverse=True)
 
     def abandon(self) -> None:
-        """The pass ends with items a state pulled ahead still held: they never go out. A live RNG before their
-        run (``shuffle(rng=...)``, drawn on from one pass to the next) goes back to where it was before the pull,
-        as if the pull never happened (else the next pass would shuffle otherwise than without that state)."""
+        """The pass ends with items a state pulled ahead still held: they never go out. What the stages before
+        their run draw on from one pass to the next (a ``shuffle(rng=...)``'s live RNG, a ``RandomMix``'s) goes
+        back to where it was before the pull, as if the pull never happened (else the next pass would draw
+        otherwise than without that state)."""
         for ahead in self._held():
-            rewind_live_rngs(self.stages, ahead.state)
+            self.pipeline.adopt_seeds({"seeds": ahead.seeds})
 
     def _stage_states(self) -> dict[str, Any]:
         """Each stage's state, the source's and the partial-item tracker's, as they stand."""

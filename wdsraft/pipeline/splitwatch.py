@@ -16,12 +16,8 @@ the ones taken before the pull (the pull moved them on).
 from __future__ import annotations
 
 import copy
-import random
 from collections.abc import Iterator
 from typing import Any
-
-from wdsraft.core.state import unpack_rng
-from wdsraft.pipeline.shuffle import shuffle
 
 #: webdataset's filters that give at most one item per item: never watched (no cost per item).
 AT_MOST_ONE_PER_ITEM = frozenset(
@@ -67,7 +63,7 @@ class Lookahead:
     it was on; handed out next (by the run's last wrapper), as if never pulled. ``state``: the stage states
     taken before the pull (those of the stages before ``first`` still stand while the item is held)."""
 
-    __slots__ = ("ctx", "first", "held", "items", "stamp", "state")
+    __slots__ = ("ctx", "first", "held", "items", "seeds", "stamp", "state")
 
     def __init__(self, first: int, ctx: Any) -> None:
         self.first = first  # index of the run's first function
@@ -76,6 +72,9 @@ class Lookahead:
         self.held: list[Any] = []  # the item pulled (END, or a _Raised), until handed out
         self.stamp: tuple[Any, int] = (None, 0)
         self.state: dict[str, Any] = {}
+        #: The seeds and live RNGs the stages before the run had drawn before the pull (the pipeline's own
+        #: record of what carries over from one pass to the next), to put back if the item never goes out.
+        self.seeds: dict[str, Any] = {}
 
     def pull(self, state: dict[str, Any]) -> bool:
         """Pull the run's next item and hold it, ``state`` (taken before) kept; whether an item came (not the
@@ -97,6 +96,11 @@ class Lookahead:
         ctx.provenance, ctx.serial = before
         return self.held[0] is not END and not isinstance(self.held[0], _Raised)
 
+    @property
+    def raised(self) -> bool:
+        """Whether the pull met an error (held, to be raised where the item would have been pulled)."""
+        return bool(self.held) and isinstance(self.held[0], _Raised)
+
     def take(self) -> Any:
         """The item held, now handed out (END: the run is over)."""
         held = self.held.pop()
@@ -115,16 +119,6 @@ def states_before(states: dict[str, Any], first: int) -> dict[str, Any]:
         for key, value in states.items()
         if key == "partial" or (key.isdigit() and int(key) < first)
     }
-
-
-def rewind_live_rngs(stages: list[Any], before: dict[str, Any]) -> None:
-    """Put the live RNG of each ``shuffle(rng=...)`` among ``stages`` back where ``before`` (``states_before``)
-    has it: for an item pulled ahead that never goes out, as if it had never been pulled."""
-    for key, state in before.items():
-        stage = stages[int(key)] if key.isdigit() else None
-        live = getattr(stage, "rng", None) if isinstance(stage, shuffle) else None
-        if isinstance(live, random.Random) and isinstance(state, dict) and isinstance(state.get("rng"), str):
-            live.setstate(unpack_rng(state["rng"]).getstate())
 
 
 class _Raised:
@@ -162,9 +156,13 @@ class SplitWatch:
         return self.splits and self.out == 1 and not self.split and not self.ahead.held
 
     def peek(self, state: dict[str, Any]) -> bool:
-        """Pull the run's next item (see ``Lookahead``); whether it came from the same item as the one before."""
+        """Pull the run's next item (see ``Lookahead``); whether it came from the same item as the one before
+        (or an error did: the item was not done with, so a restore after it could not give its rest)."""
+        pulls = self.pulls
         if not self.ahead.pull(state):
-            return False
+            if self.ahead.raised and self.pulls == pulls:
+                self.split = True
+            return self.split
         self.out += 1  # (counted here: ``given`` hands it out without counting it again)
         if self.out > 1:
             self.split = True
