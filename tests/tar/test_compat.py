@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import io
 import os
 import shutil
 import subprocess
 import tarfile
+from array import array
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,7 @@ from hypothesis import strategies as st
 from shardutil import corpus_samples, read_wdsraft, read_webdataset, without_positions
 
 import wdsraft
+from wdsraft.index.shard_index import ShardIndex
 
 FORMATS = [None, "PAX_FORMAT", "GNU_FORMAT"]
 
@@ -254,6 +257,28 @@ def test_a_rename_that_splits_a_sample_still_resumes(tmp_path: Path) -> None:
 
     full = assert_resumes_at_every_sample(url, rename_files=rename)
     assert [s["__key__"] for s in full] == ["k", "j", "m"]
+
+
+@pytest.mark.parametrize("indexed", [False, True])
+def test_a_raised_duplicate_does_not_hand_out_the_sample_in_hand(tmp_path: Path, indexed: bool) -> None:
+    """A duplicate extension the handler raises for: the sample it belongs to lacks that member and does not
+    go out before the error (webdataset's grouping raises before yielding it), with or without an index."""
+    url = str(tmp_path / "dup.tar")
+    write_members(url, ("a.txt", "b.txt", "b.TXT", "b.json", "c.txt"))
+    if indexed:
+        offsets = array("Q", [0, 1024, 4096, 5120])  # (a, b, c as the member walk groups them, and the end)
+        ShardIndex("dup.tar", offsets, Path(url).stat().st_size, None, None).save(url)
+    with pytest.raises(ValueError, match="duplicate file name"):
+        list(webdataset.tarfile_samples([{"url": url}]))
+    theirs = []
+    with contextlib.suppress(ValueError):
+        theirs.extend(webdataset.tarfile_samples([{"url": url}]))
+    ours = []
+    with pytest.raises(ValueError, match="duplicate file name"):
+        for sample in wdsraft.ShardSampleReader(url, index="auto" if indexed else None):
+            ours.append(sample)
+    assert without_positions(ours) == [{k: v for k, v in s.items() if k != "__local_path__"} for s in theirs]
+    assert [s["__key__"] for s in ours] == ["a"]
 
 
 def test_stop_handler_on_duplicate_stops_everything_like_webdataset(tmp_path: Path) -> None:

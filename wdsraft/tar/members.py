@@ -14,6 +14,7 @@ import gzip
 import io
 import lzma
 import mmap
+import threading
 import zlib
 from collections.abc import Iterator
 from typing import IO, Any
@@ -21,7 +22,6 @@ from typing import IO, Any
 import numpy as np
 
 from wdsraft.core.errors import RemoteReadError, TarFormatError
-from wdsraft.tar.checksums import checked_headers
 from wdsraft.tar.format import (
     _GNU_LONGLINK,
     _GNU_LONGNAME,
@@ -39,11 +39,8 @@ from wdsraft.tar.format import (
     parse_number,
     parse_pax_records,
 )
-from wdsraft.tar.runs import SampleRuns
 
 _MAX_READ = 64 << 20
-#: The name of the item ``batches`` hands out for a run of whole samples (see ``TarMemberReader.runs``).
-SAMPLE_RUN = object()
 _DECOMPRESSORS = (gzip.GzipFile, bz2.BZ2File, lzma.LZMAFile)
 
 
@@ -73,9 +70,6 @@ class TarMemberReader:
         self._global_pax: dict[str, str] = {}
         self._seekable = _positioned_file(fileobj, start_offset)
         self._read_error: TarFormatError | None = None  # a stream error met after some bytes were read
-        #: Set by a sample reader with the shard's index: whole samples are taken from each buffer in runs
-        #: (handed out as one ``(SAMPLE_RUN, offset, samples)`` item), the rest member by member.
-        self.runs: SampleRuns | None = None
 
     def __iter__(self) -> Iterator[TarMember]:
         for batch in self.batches():
@@ -131,8 +125,6 @@ class TarMemberReader:
         filled = 0  # bytes of buf in use
         pos = 0  # position of the next header in buf; buf[0] is at archive offset `base`
         base = self.start_offset
-        runs = self.runs
-        until = -1  # with runs: the archive offset up to which members go one by one (no run starts before)
         while True:
             if filled - pos < BLOCK:
                 if window is not None:
@@ -156,28 +148,16 @@ class TarMemberReader:
                 if filled < BLOCK:
                     raise TarFormatError(url, base, f"truncated header ({filled} of 512 bytes)")
 
-            # 0. Whole samples at once, where the index says they are (see wdsraft.tar.runs).
-            stop = end = filled  # (stop: where the member loop below hands back to the runs)
-            if runs is not None and runs.enabled and self._chain_start is None:
-                if base + pos >= until:
-                    samples, until = runs.take(buf, pos, filled, base)
-                    if samples is not None:
-                        run_start, pos = base + pos, until - base
-                        self.end_offset = until
-                        yield [(SAMPLE_RUN, run_start, samples)]
-                        continue
-                stop = min(end, until - base)
-
             # 1. Every member wholly inside the buffer, checksums checked together afterwards.
             batch: list[Any] = []  # TarMember, or with ``plain`` (name, offset, data) from the common path
             headers: list[int] = []  # buf positions of the headers parsed
             ends: list[int] = []  # per member: its end in buf (where the next header starts)
             failure: Exception | None = None
             ended = False
+            end = filled
             unchained = self._chain_start is None  # (no extended header waits for its member)
             try:
-                limit = end if stop >= end else stop - 1 + BLOCK  # (a header at or past `stop`: not read here)
-                while limit - pos >= BLOCK:
+                while end - pos >= BLOCK:
                     # The size field in its common layout (11 octal digits, then NUL), read for every header
                     # here and only here; None: another layout (or none), for _size to parse.
                     try:
@@ -241,7 +221,7 @@ class TarMemberReader:
                     raise TarFormatError(url, base + pos, "end-of-archive block inside an extended header chain")
                 self.end_offset = base + pos
                 return
-            if filled - pos < BLOCK or pos >= stop:
+            if filled - pos < BLOCK:
                 continue
 
             # 2. A member running past the buffer: check its header, read the rest in one call.
@@ -395,6 +375,27 @@ def _positioned_file(fileobj: IO[bytes], offset: int) -> bool:
         return False
 
 
+_OCTAL_PLACES = (8 ** np.arange(5, -1, -1)).astype(np.float32)
+_OCTAL_BIAS = float(48 * _OCTAL_PLACES.sum())  # the six digits' ASCII '0's
+_CHECKSUM_WEIGHTS = np.ones(BLOCK, dtype=np.float32)
+_CHECKSUM_WEIGHTS[148:156] = 0  # the checksum field counts as eight spaces (the 8 * 32 added)
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """This thread's arrays for a block's headers (bytes, and as float32), with room for ``rows``: reused from
+    block to block. (New arrays of this size -- about 1 MiB for a block of small samples -- came from fresh
+    pages at every block whenever the C allocator maps such sizes anew: a page fault every 4 KiB, which
+    cost more than the checksums themselves.)"""
+    arrays: tuple[np.ndarray, np.ndarray] | None = getattr(_SCRATCH, "arrays", None)
+    if arrays is None or len(arrays[0]) < rows:
+        size = 1 << max(rows - 1, 255).bit_length()  # (a power of two: a few sizes at most)
+        arrays = _SCRATCH.arrays = (np.empty((size, BLOCK), np.uint8), np.empty((size, BLOCK), np.float32))
+    return arrays
+
+
 def _first_bad_header(buf: Any, positions: list[int], length: int) -> int | None:
     """Index (into ``positions``) of the first header in ``buf`` (its first ``length`` bytes in use) whose
     checksum is wrong, or None."""
@@ -404,9 +405,19 @@ def _first_bad_header(buf: Any, positions: list[int], length: int) -> int | None
     rows = np.asarray(positions, dtype=np.intp) // BLOCK
     if rows[-1] >= len(blocks):  # a partial header (parse failure at the buffer's end)
         rows = rows[:-1]
-    # The usual stored checksum (six octal digits, then NUL) is read for all headers at once: the ones that
-    # match need no more; the others are looked at one by one below.
-    _, sums, matches = checked_headers(blocks, rows)
+    count = len(rows)
+    raw, wide = _scratch(count)
+    headers = np.take(blocks, rows, axis=0, out=raw[:count], mode="clip")  # (rows are in range: no buffering)
+    floats = wide[:count]
+    np.copyto(floats, headers)
+    # Sums and stored values as float32 dot products (exact: integers below 2**24; an integer sum over the
+    # headers took three times as long).
+    sums = floats @ _CHECKSUM_WEIGHTS + 8 * 32
+    # The usual stored checksum (six octal digits, then NUL) is read here for all headers at once: the
+    # ones that match need no more; the others are looked at one by one below.
+    digits = headers[:, 148:154]
+    plain = (headers[:, 154] == 0) & ((digits >= 48) & (digits <= 55)).all(axis=1)
+    matches = plain & (floats[:, 148:154] @ _OCTAL_PLACES - _OCTAL_BIAS == sums)
     if matches.all():
         return None
     for i in np.flatnonzero(~matches).tolist():

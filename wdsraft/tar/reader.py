@@ -24,9 +24,8 @@ from wdsraft.core.fields import OFFSET_FIELD, ORDINAL_FIELD
 from wdsraft.index.shard_index import INDEX_SUFFIX, ShardIndex
 from wdsraft.io.gopen import open_shard
 from wdsraft.io.storage import local_path as path_of
-from wdsraft.tar.members import SAMPLE_RUN, TarMemberReader
+from wdsraft.tar.members import TarMemberReader
 from wdsraft.tar.naming import DEFAULT_SKIP_META, split_key
-from wdsraft.tar.runs import SampleRuns
 from wdsraft.tar.spans import SpanDigester
 
 logger = logging.getLogger(__name__)
@@ -35,9 +34,8 @@ logger = logging.getLogger(__name__)
 Handler = Callable[[BaseException], bool]
 
 
-def _members(reader: TarMemberReader) -> Iterator[tuple[Any, int, Any]]:
-    """The reader's members one by one, as plain tuples (chained in C: no Python frame per member); with
-    runs, a run of whole samples is one item, ``(SAMPLE_RUN, offset, samples)``."""
+def _members(reader: TarMemberReader) -> Iterator[tuple[str, int, bytes]]:
+    """The reader's members one by one, as plain tuples (chained in C: no Python frame per member)."""
     return chain.from_iterable(reader.batches(plain=True))
 
 
@@ -135,7 +133,6 @@ class ShardSampleReader:
             digester = SpanDigester(stream, self.start_offset) if self.verify else None
             source = cast(IO[bytes], digester) if digester is not None else stream
             members = TarMemberReader(source, self.url, self.start_offset, self.block_size)
-            members.runs = self._runs(index, digester)
             yield from self._group(members, index, digester)
             if not self.stopped:
                 self.next_offset = members.end_offset
@@ -143,17 +140,6 @@ class ShardSampleReader:
         finally:
             if self._stream is None:  # close only what we opened
                 stream.close()
-
-    def _runs(self, index: ShardIndex | None, digester: SpanDigester | None) -> SampleRuns | None:
-        """Runs of whole samples (wdsraft.tar.runs), where the index gives the layout and nothing asks for
-        the members one by one: no rename, selection, other meta pattern or per-sample digests."""
-        if index is None or digester is not None or self.rename_files is not None or self.select_files is not None:
-            return None
-        if self.skip_meta is not None and self.skip_meta.pattern != DEFAULT_SKIP_META:
-            return None
-        runs = SampleRuns(self.url, index.offsets)
-        runs.ordinal = self.next_ordinal - 1
-        return runs
 
     def _group(
         self, members: TarMemberReader, index: ShardIndex | None, digester: SpanDigester | None
@@ -181,25 +167,8 @@ class ShardSampleReader:
         holding = checks is not None and rename is not None
         current_key: str | None = None  # current's "__key__" and "__offset__" (read often: kept at hand)
         current_offset = -1
-        runs = members.runs  # (kept told of the last sample started, so that a run starts right after it)
         try:
             for name, offset, data in _members(members):
-                if name is SAMPLE_RUN:  # whole samples, checked against the index (wdsraft.tar.runs)
-                    if current is not None:
-                        self.next_offset, self.next_ordinal = offset, ordinal + 1
-                        yield current
-                        current = None
-                    first = data[0][ORDINAL_FIELD]
-                    following = offsets[first + 1 : first + 1 + len(data)]  # type: ignore[index]
-                    for whole, self.next_offset, self.next_ordinal in zip(
-                        data, following, range(first + 1, first + 1 + len(data)), strict=True
-                    ):
-                        yield whole
-                    ordinal = first + len(data) - 1
-                    raw_key = current_key = whole["__key__"]
-                    group_offset = current_offset = whole[OFFSET_FIELD]
-                    verified = ordinal
-                    continue
                 if (name[:1] == "_" or not meta_prefix_only) and self._is_meta(name):
                     continue
                 # split_key, inline for the common name (no directory, not starting with a dot)
@@ -221,8 +190,6 @@ class ShardSampleReader:
                     raw_key = raw_prefix
                     ordinal += 1
                     group_offset = offset
-                    if runs is not None:
-                        runs.ordinal, runs.key = ordinal, raw_prefix
                     if offsets is not None:  # the free check: one compare per sample
                         if ordinal >= count or offsets[ordinal] != offset:
                             raise checks.misplaced(ordinal, offset)  # type: ignore[union-attr]
