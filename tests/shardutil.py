@@ -38,3 +38,21 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def commit_run(
+    path: str, run: str, mark: dict | None, steps: Sequence[int], ranks: int
+) -> tuple[dict, list[wdsraft.Ledger]]:
+    """A run of ``ranks`` ledger ranks resuming from ``mark`` (a commit's lineage), each rank committing two
+    samples of its own shard per step; the last commit and the ledgers."""
+    ledgers = []
+    last: dict = {}
+    for rank in range(ranks):
+        ledger = wdsraft.Ledger(path, run=run, rank=rank, world_size=ranks)
+        if mark:
+            ledger.lineage, ledger.lineage_steps = dict(mark["lineage"]), dict(mark["steps"])
+        for step in steps:
+            ledger.record({"__url__": [f"s{rank}.tar"] * 2, "__ordinal__": [2 * step, 2 * step + 1]}, epoch=0)
+            last = ledger.commit(step=step)
+        ledgers.append(ledger)
+    return last, ledgers

@@ -9,6 +9,7 @@ from collections import Counter
 from typing import Any
 
 import pytest
+from shardutil import commit_run
 
 import wdsraft as wds
 from wdsraft.cli import main
@@ -71,16 +72,7 @@ class Reads:
 
 
 def _run(path: str, run: str, mark: dict | None, steps: tuple[int, ...]) -> tuple[dict, list[wds.Ledger]]:
-    ledgers = []
-    for rank in range(RANKS):
-        ledger = wds.Ledger(path, run=run, rank=rank, world_size=RANKS)
-        if mark:
-            ledger.lineage, ledger.lineage_steps = dict(mark["lineage"]), dict(mark["steps"])
-        for step in steps:
-            ledger.record({"__url__": [f"s{rank}.tar"] * 2, "__ordinal__": [2 * step, 2 * step + 1]}, epoch=0)
-            last = ledger.commit(step=step)
-        ledgers.append(ledger)
-    return last, ledgers
+    return commit_run(path, run, mark, steps, RANKS)
 
 
 @pytest.fixture(params=["local", "s3"])

@@ -9,6 +9,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from shardutil import commit_run
 
 import wdsraft as wds
 from wdsraft.cli import main
@@ -87,14 +88,7 @@ RANKS = 3
 
 def _run(path: str, run: str, mark: dict | None, steps: tuple[int, ...] = (1, 2)) -> dict:
     """A run of RANKS ranks resuming from ``mark``, each rank committing 2 samples of its shard per step."""
-    for rank in range(RANKS):
-        ledger = wds.Ledger(path, run=run, rank=rank, world_size=RANKS)
-        if mark:
-            ledger.lineage, ledger.lineage_steps = dict(mark["lineage"]), dict(mark["steps"])
-        for step in steps:
-            ledger.record({"__url__": [f"s{rank}.tar"] * 2, "__ordinal__": [2 * step, 2 * step + 1]}, epoch=0)
-            last = ledger.commit(step=step)
-    return last
+    return commit_run(path, run, mark, steps, RANKS)[0]
 
 
 def _show(capsys, path: str, *extra: str) -> tuple[int, list[str]]:
