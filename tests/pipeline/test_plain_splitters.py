@@ -526,3 +526,37 @@ def test_a_refused_state_pulls_nothing_ahead(urls) -> None:
         return len(calls)
 
     assert run(True) == run(False)
+
+
+def _keep_some_or_none(item: dict[str, Any]) -> dict[str, Any] | None:
+    return _keep_some(item)
+
+
+@pytest.mark.parametrize("dropping", ["select", "map_to_none", "select_keeping_all"])
+def test_webdatasets_own_filters_dropping_after_a_split_and_a_stage_are_refused(urls, dropping: str) -> None:
+    """``unlisted``, a ``shuffle`` (it passes the split's numbering on), then webdataset's own ``select`` or a
+    ``map`` returning None, then a buffer: a drop there resumed other items, silently (the buffer numbers
+    the split group's items it received, a restore re-reads and filters the whole group again). States are
+    refused from the first drop; a filter that keeps everything resumes everywhere."""
+    function = {
+        "select": wds.select(lambda item: _keep_some(item) is not None),
+        "map_to_none": wds.map(_keep_some_or_none),
+        "select_keeping_all": wds.select(lambda item: True),
+    }[dropping]
+
+    def make() -> wds.DataPipeline:
+        return _pipeline(
+            urls,
+            wds.map(_pieces),
+            wds.unlisted(),
+            wds.shuffle(3, initial=3, seed=4),
+            function,
+            wds.shuffle(5, initial=5, seed=1),
+            splitter=identity,
+        )
+
+    exact, refused = _exact_or_refused(make)  # (asserts every state it does not refuse resumes exactly)
+    if dropping == "select_keeping_all":
+        assert refused == 0
+    else:
+        assert exact > 0 and refused > 0

@@ -19,6 +19,8 @@ import copy
 from collections.abc import Iterator
 from typing import Any
 
+from webdataset.handlers import reraise_exception
+
 #: webdataset's filters that give at most one item per item: never watched (no cost per item).
 AT_MOST_ONE_PER_ITEM = frozenset(
     {
@@ -47,6 +49,23 @@ def at_most_one_per_item(function: Any) -> bool:
         getattr(inner, "__module__", None) == "webdataset.filters"
         and getattr(inner, "__name__", None) in AT_MOST_ONE_PER_ITEM
     )
+
+
+#: webdataset's filters that drop an item by design (a predicate that says no, a function or decoder that
+#: returns None); any of its filters drops one whose error a handler skips (not the default, which raises).
+MAY_DROP = frozenset({"_select", "_map", "_decode"})
+
+
+def may_drop(functions: list[Any]) -> bool:
+    """Whether one of ``functions`` may drop an item: not one of webdataset's filters known to keep every item."""
+    return any(map(_may_drop, functions))  # (no generator frame: runs at every pass of every source)
+
+
+def _may_drop(function: Any) -> bool:
+    if not at_most_one_per_item(function):
+        return True  # (any other function: who knows)
+    handler = getattr(function, "kw", {}).get("handler", reraise_exception)
+    return function.f.__name__ in MAY_DROP or handler is not reraise_exception
 
 
 def may_split(functions: list[Any]) -> bool:
@@ -221,8 +240,9 @@ def plain_runs(
     """The runs of plain functions from ``start`` on to watch: first index -> (end, functions, drops matter).
     Watched: those that may split items, and those between two stages for which ``drops_matter(before, after)``
     (a stage that splits items and one that holds them). Drops matter too in a run watched anyway for which
-    ``drops_matter_far(first, end)`` (a split anywhere before, a holder anywhere after: free, as it is watched;
-    a run of webdataset's filters there is not watched, for what it would cost per item)."""
+    ``drops_matter_far(first, end)`` (a split anywhere before, a holder anywhere after: a run that may split is
+    watched anyway; a run of webdataset's filters there is watched only if one of them may drop an item:
+    ``select``, ``map`` returning None... two generators per item, where a drop would resume wrong)."""
     runs: dict[int, tuple[int, list[Any], bool]] = {}
     index = start
     while index < len(stages):
@@ -235,7 +255,7 @@ def plain_runs(
         functions = stages[index:end]
         drops = index > 0 and end < len(stages) and drops_matter(stages[index - 1], stages[end])
         splits = may_split(functions)
-        drops = drops or (splits and drops_matter_far(index, end))
+        drops = drops or ((splits or may_drop(functions)) and drops_matter_far(index, end))
         if drops or splits:
             runs[index] = (end, functions, drops)
         index = end
