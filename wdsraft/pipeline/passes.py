@@ -222,7 +222,7 @@ class _Pass:
         tracker = self.tracker
         if tracker is not None and not tracker.rereads and (tracker.split or tracker.count > 1):
             refusals["split"] = self._source_split_refusal()
-        split = next((watch for _, watch in self.watches.values() if watch.refused or watch.split), None)
+        split = next((watch for _, watch in self.watches.values() if watch.refused), None)
         if split is not None:
             refusals["split_after"] = unresumable_state(split.refusal())
         return refusals
