@@ -366,6 +366,35 @@ def test_packer_restore_re_reads_only_the_documents_of_the_next_sequences(packer
         assert not [text for text, count in Counter(counting.texts).items() if count > 1], k  # each tokenized once
 
 
+class _ShorterTokenizer(_CountingTokenizer):
+    """cl100k_base with each text's last token dropped (under the same name: a tokenizer changed in place)."""
+
+    def encode_batch(self, texts):
+        return [ids[:-1] for ids in super().encode_batch(texts)]
+
+
+def test_packer_restore_with_a_tokenizer_giving_fewer_tokens_is_refused(packer_shard, cl100k) -> None:
+    """A restored packer re-reads its held documents a few sequences ahead: a document that now has fewer
+    tokens than the state holds raises StateMismatchError naming it, before the sequence it would go in
+    (at the first sequence, or later in the stream, where that document is read); never a short sequence."""
+    counting = _CountingTokenizer(cl100k)
+    pipeline = _packer(packer_shard, counting)
+    states = [roundtrip(pipeline.state_dict(), "json") for _ in pipeline]
+    refused_after = []
+    for state in states:
+        restored = _packer(packer_shard, _ShorterTokenizer(cl100k))
+        restored.load_state_dict(state)
+        out = 0
+        try:
+            for _ in restored:
+                out += 1
+        except wds.StateMismatchError as error:
+            assert "tokens on re-reading" in str(error) and "was the tokenizer changed" in str(error)
+            refused_after.append(out)
+    assert len(refused_after) >= len(states) // 2  # (states holding pieces of documents)
+    assert 0 in refused_after and max(refused_after) > 0  # (at the first sequence, and mid-stream)
+
+
 @pytest.mark.parametrize("stage", ["concat_chunk", "chunk_keep", "pad", "pack_bestfit", "pack_bestfit_1"])
 def test_empty_documents_make_no_sequence_of_their_own(tmp_path, cl100k, stage) -> None:
     """Without ensure_bos_eos a document can have no tokens: no stage emits a sequence without a real
