@@ -21,7 +21,7 @@ from wdsraft.ledger.ledger import Ledger
 from wdsraft.ledger.merged import merge_under, read_rank_files
 from wdsraft.ledger.overview import LedgerView, view_ledger
 from wdsraft.ledger.rank_file import SUFFIX, RankFile, committed_in, counted
-from wdsraft.ledger.reading import RankListing, parallel_map, read_optional
+from wdsraft.ledger.reading import parallel_map, read_optional
 from wdsraft.ledger.snapshot import Snapshot, late_commits, late_marker_url, snapshot_urls
 
 logger = logging.getLogger(__name__)
@@ -230,7 +230,7 @@ def _refuse_uncommitted(path: str, watermark: dict[str, Any], view: LedgerView, 
         if step is None or summary is None or step in summary.complete():
             continue
         # (the ranks that lack it, from the run's files: read now if the view took the run from a snapshot)
-        files = [f for f in view.files if f.run == run] or list(read_rank_files(_listing(view, ledger).urls([run])))
+        files = [f for f in view.files if f.run == run] or list(read_rank_files(view.reads.listing.urls([run])))
         missing = sorted(f.rank for f in files if f.run == run and not any(c.get("step") == step for c in f.commits))
         raise LedgerError(
             path,
@@ -238,11 +238,6 @@ def _refuse_uncommitted(path: str, watermark: dict[str, Any], view: LedgerView, 
             f"{missing or 'absent'} have no commit there): this checkpoint was never committed; give a committed "
             "checkpoint, or --all-commits to count every commit",
         )
-
-
-def _listing(view: LedgerView, ledger: str) -> RankListing:
-    """The rank files listed to make the view (a run listed there is not listed again)."""
-    return view.reads.listing if view.reads is not None else RankListing(ledger)
 
 
 def _watermark_from_checkpoint(path: str) -> dict[str, Any]:

@@ -26,9 +26,9 @@ logger = logging.getLogger(__name__)
 class LedgerView:
     runs: dict[str, RunSummary]  # every run of the ledger
     files: list[RankFile]  # the rank files read (whole)
+    reads: LedgerReads  # what was read (snapshots, late markers, listings): not read again
     snapshot: Snapshot | None = None  # where the summaries of the other runs come from
     trusted: set[str] = field(default_factory=set)  # runs as the snapshot recorded them (files not read)
-    reads: LedgerReads | None = None  # what was read (snapshots, late markers, listings): not read again
 
 
 def view_ledger(path: str, use_snapshot: bool = True, progress: str | None = None) -> LedgerView:
@@ -37,7 +37,7 @@ def view_ledger(path: str, use_snapshot: bool = True, progress: str | None = Non
     snapshot = reads.latest() if use_snapshot else None
     if snapshot is None or not snapshot.summaries():
         files = list(read_rank_files(reads.listing.everything(), progress))
-        return LedgerView(summarize(files), files, reads=reads)
+        return LedgerView(summarize(files), files, reads)
     listed = set(list_runs(path))
     covered = set(snapshot.summaries()) & listed
     stale = snapshot.stale(reads.late())
@@ -57,7 +57,7 @@ def view_ledger(path: str, use_snapshot: bool = True, progress: str | None = Non
     )
     files = list(read_rank_files(reads.listing.urls(listed - trusted), progress)) if listed - trusted else []
     runs = {run: recorded[run] for run in sorted(trusted)} | summarize(files)
-    return LedgerView(runs, files, snapshot, trusted, reads)
+    return LedgerView(runs, files, reads, snapshot, trusted)
 
 
 def _recorded_sizes(summary: RunSummary) -> dict[int, int]:
