@@ -249,6 +249,18 @@ def test_the_short_way_is_judged_sample_by_sample_as_webdatasets() -> None:
     assert ours[1]["__url__"] == "u" and ours[0]["txt"] == "x" and len(ours) == len(samples) - 1
 
 
+def test_field_names_reach_the_short_way_as_values_never_as_code() -> None:
+    """Each shape's short way is a function written for it: names that would be code in its source (quotes, a
+    tab, a call) are values there, decoded and kept as in webdataset, and run nothing."""
+    odd = ["a'] or exit(1) or x['.txt", 'b"\t) or (.json', "c\\'.cls", "__'+exit(2)+'__", "d{m0}.txt"]
+    samples = [
+        {"__key__": f"k{n}", odd[3]: "meta", odd[0]: b"t", odd[1]: b"[1]", odd[2]: b"7", odd[4]: b"x"} for n in range(3)
+    ]
+    theirs, ours = _both(_decode(), samples)
+    _same(theirs, ours)
+    assert ours[2] == {"__key__": "k2", odd[3]: "meta", odd[0]: "t", odd[1]: [1], odd[2]: 7, odd[4]: "x"}
+
+
 def _both_lazily(build: Any, samples: list[dict[str, Any]], side: int) -> list[Any]:
     """One side of ``_both`` (webdataset's: 0, wdsraft's: 1), so that each side's error is caught on its own."""
     stage = build(webdataset.filters)

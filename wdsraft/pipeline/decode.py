@@ -19,7 +19,6 @@ import json
 import re
 from collections.abc import Callable, Iterator
 from functools import partial
-from operator import methodcaller
 from typing import Any
 
 from webdataset import autodecode
@@ -34,8 +33,8 @@ _EXTENSION = re.compile(r".*[.]")
 #: A field's plan: the index of the first handler that may answer, and, when that handler is
 #: ``basichandlers`` (or ``handle_extension``'s wrapper) known to apply, the function it would call.
 Plan = tuple[int, Callable[[bytes], Any] | None]
-#: A shape's plan (``_SampleDecoder._shape_plan``).
-ShapePlan = tuple[tuple[Any, ...], tuple[Any, ...], tuple[tuple[Any, Callable[[bytes], Any], int, bool], ...], bool]
+#: A shape's short way (``_compile_short_way``): the decoded sample, or None where the general way must decode it.
+ShortWay = Callable[[dict[str, Any]], dict[str, Any] | None]
 
 
 def _pil_importable() -> bool:
@@ -65,7 +64,7 @@ def _json_loads(data: bytes) -> Any:
 
 _NOT_PLAIN_UTF8 = frozenset((0x00, 0xEF, 0xFE, 0xFF))  # first bytes of NUL-led UTF-16/32 and of the BOMs
 
-_UTF8 = methodcaller("decode", "utf-8")
+_UTF8 = bytes.decode  # (data.decode("utf-8"): UTF-8 and strict are its defaults)
 
 #: webdataset's decoder functions -> functions with the same results, without a Python frame or a detour.
 _SAME_RESULT: dict[Any, Callable[[bytes], Any]] = {
@@ -160,45 +159,25 @@ class DecodeStage(webdataset_filters.FilterFunction):
     @staticmethod
     def _run(src: Iterator[Any], decoder: autodecode.Decoder, handler: Handler) -> Iterator[Any]:
         decoding = _SampleDecoder(decoder)
-        shapes, shape_plan, handlers = decoding.shapes, decoding._shape_plan, decoding.handlers
+        shapes, short_way_for = decoding.shapes, decoding.short_way
         for sample in src:
             if type(sample) is dict:
-                # The short way, inline (a call per sample was a good part of the cost): a sample of a shape seen
-                # before whose fields all have a direct function is copied, those fields replaced.
+                # The short way: a sample of a shape seen before whose fields all have a direct function goes
+                # through that shape's own function (None back: this sample's values need the general way).
                 shape = tuple(sample)
-                plan: Any = shapes.get(shape, False)  # (False: not planned yet; None: no short way)
-                if plan is False:
-                    plan = shape_plan(shape)
-                if plan is not None:
-                    meta, fields, steps, keyed = plan
-                    for k in meta:
-                        if isinstance(sample[k], bytes):
-                            break  # (bytes in a "__" field: the general way, webdataset's message and all)
-                    else:
-                        for k in fields:
-                            if type(sample[k]) is not bytes:
-                                break  # (asserts, partial=True: the general way, before any function runs)
-                        else:
-                            result = sample.copy()
-                            k = None
-                            try:
-                                for k, function, position, checked in steps:
-                                    v = result[k]
-                                    value = function(v)
-                                    if checked and (value is None or isinstance(value, autodecode.Continue)):
-                                        value = _after(handlers, position, "." + k, v, value)  # (rare)
-                                    result[k] = value
-                            except Exception as exn:
-                                try:
-                                    raise _decoding_error(sample, k) from exn
-                                except autodecode.DecodingError as error:
-                                    if handler(error):
-                                        continue
-                                    break
-                            if not keyed:
-                                result["__key__"] = None  # (webdataset's map sets the sample's, absent here)
-                            yield result
+                short_way: Any = shapes.get(shape, False)  # (False: not planned yet; None: no short way)
+                if short_way is False:
+                    short_way = short_way_for(shape)
+                if short_way is not None:
+                    try:
+                        result = short_way(sample)
+                    except autodecode.DecodingError as error:
+                        if handler(error):
                             continue
+                        break
+                    if result is not None:
+                        yield result
+                        continue
                 try:
                     result = decoding._decode(sample)
                 except Exception as exn:
@@ -226,14 +205,14 @@ _MAX_SHAPES = 64  # samples of more shapes than this (field names vary from samp
 
 class _SampleDecoder:
     """``Decoder.decode`` for one pass, with the plans of the field names and of the sample shapes seen so far
-    (``DecodeStage._run`` takes the short way of a shape's plan inline, ``_decode`` is the general way)."""
+    (``short_way``: one function per shape, for ``DecodeStage._run``; ``_decode`` is the general way)."""
 
     def __init__(self, decoder: autodecode.Decoder):
         self.handlers = list(decoder.handlers)
         self.only = decoder.only
         self.partial = decoder.partial
         self.plans: dict[Any, Plan] = {}
-        self.shapes: dict[tuple[Any, ...], ShapePlan | None] = {}
+        self.shapes: dict[tuple[Any, ...], ShortWay | None] = {}
         self.planner = _Planner(self.handlers)
 
     def _plan(self, k: Any) -> Plan:
@@ -243,13 +222,10 @@ class _SampleDecoder:
             return _KEPT, None
         return self.planner.plan(k)
 
-    def _shape_plan(self, shape: tuple[Any, ...]) -> ShapePlan | None:
-        """The short way's plan for a shape whose every field is planned to a direct function or to no handler
-        at all: (the "__" fields, the other fields checked, ``steps``, whether "__key__" is one of them), where
-        a step is (field, function, handler position, whether its answer may be None or a ``Continue``), for
-        the fields that have a function (the others are left as they are). None for any other shape (or
-        once many shapes were seen)."""
-        plan: ShapePlan | None = None
+    def short_way(self, shape: tuple[Any, ...]) -> ShortWay | None:
+        """The short way for a shape whose every field is planned to a direct function or to no handler at all
+        (:func:`_compile_short_way`); None for any other shape (or once many shapes were seen)."""
+        short_way: ShortWay | None = None
         if len(self.shapes) < _MAX_SHAPES:
             meta, fields = [], []
             for k in shape:
@@ -265,10 +241,9 @@ class _SampleDecoder:
                 else:
                     break  # a handler to ask: the general way
             else:
-                steps = tuple((k, f, position, not _plain_answer(f)) for k, f, position in fields if f is not None)
-                plan = (tuple(meta), tuple(k for k, _, _ in fields), steps, "__key__" in shape)
-            self.shapes[shape] = plan
-        return plan
+                short_way = _compile_short_way(meta, fields, self.handlers, keyed="__key__" in shape)
+            self.shapes[shape] = short_way
+        return short_way
 
     def _decode(self, sample: dict[str, Any]) -> dict[str, Any]:
         plans, partial_ = self.plans, self.partial
@@ -305,6 +280,60 @@ class _SampleDecoder:
         except Exception as exn:
             raise _decoding_error(sample, k) from exn
         return result
+
+
+def _compile_short_way(
+    meta: list[Any], fields: list[tuple[Any, Callable[[bytes], Any] | None, int]], handlers: list[Any], keyed: bool
+) -> ShortWay:
+    """One shape's short way, as a function of its own: ``Decoder.decode``'s result for a sample of that shape
+    (its "__" fields ``meta``; ``fields``: (name, direct function or None, handler position) for the others that
+    are decoded or must be bytes), or None when this sample's values need the general way: bytes in a "__"
+    field, or a field that is not bytes (webdataset's assert, ``partial``'s skip). A failing function raises
+    webdataset's ``DecodingError`` for its field, as the general way does.
+
+    The function is written out for the shape, a line per field: walking a plan field by field cost a third
+    of the stage's own time. Field names, functions and handlers reach it as arguments of its factory (closure
+    cells), never as source text: the source holds only generated names and handler positions."""
+    cells: dict[str, Any] = {
+        "handlers": handlers,
+        "after": _after,
+        "failed": _decoding_error,
+        "Continue": autodecode.Continue,
+    }
+    body = []
+    if meta:
+        cells.update((f"m{i}", k) for i, k in enumerate(meta))
+        body += [f"if {' or '.join(f'isinstance(sample[m{i}], bytes)' for i in range(len(meta)))}:", "    return None"]
+    if fields:
+        cells.update((f"f{i}", k) for i, (k, _, _) in enumerate(fields))
+        body += [f"v{i} = sample[f{i}]" for i in range(len(fields))]
+        body += [f"if {' or '.join(f'type(v{i}) is not bytes' for i in range(len(fields)))}:", "    return None"]
+    body.append("result = sample.copy()")
+    for i, (_, function, position) in enumerate(fields):
+        if function is None:
+            continue  # (no handler at all for it: left as it is)
+        cells[f"d{i}"] = function
+        body += ["try:", f"    value = d{i}(v{i})"]
+        # (None or a Continue: the handler walk goes on from the next handler; json.loads gives no Continue)
+        if function is _json_loads:
+            body.append("    if value is None:")
+        elif not _plain_answer(function):
+            body.append("    if value is None or isinstance(value, Continue):")
+        if not _plain_answer(function):
+            body.append(f"        value = after(handlers, {int(position)}, '.' + f{i}, v{i}, value)")
+        body += ["except Exception as exn:", f"    raise failed(sample, f{i}) from exn", f"result[f{i}] = value"]
+    if not keyed:
+        body.append("result['__key__'] = None  # (webdataset's map sets the sample's, absent here)")
+    body.append("return result")
+    source = "\n".join(
+        [f"def factory({', '.join(cells)}):", "    def short_way(sample):"]
+        + [f"        {line}" for line in body]
+        + ["    return short_way"]
+    )
+    namespace: dict[str, Any] = {}
+    exec(compile(source, "<wdsraft.pipeline.decode short way>", "exec"), namespace)
+    short_way: ShortWay = namespace["factory"](**cells)
+    return short_way
 
 
 def _plain_answer(function: Callable[[bytes], Any]) -> bool:
