@@ -21,9 +21,14 @@ class EvalDataset(DataPipeline, FluidInterface):
     (rank, worker) reading one contiguous range: ranks hold counts that differ by at most one sample,
     whether or not the shards divide by the ranks.
 
-    The split uses each shard's sample count from its index (read once, here) and seeks into the
-    first shard of each range by the index's byte offset. Shards without an index are refused,
-    unless ``count_unindexed=True``: they are then read whole once to count them (logged).
+    ``urls`` is a shard list (brace patterns, a list) or a manifest (a path or URL ending in ``.json``,
+    as ``wdsraft convert`` and ``wdsraft index`` write it; wids takes its shard index the same way).
+    The split uses each shard's sample count: from the manifest (one read, here), else from each
+    shard's index (one read per shard, here). The reader, which reads a shard's index anyway when it
+    opens the shard, seeks into the first shard of a range by it and refuses a shard whose index no
+    longer has the count the split used (a stale manifest: ``IndexFormatError`` naming the shard).
+    Shards without an index are refused, unless ``count_unindexed=True`` (shard lists only): they are
+    then read whole once to count them (logged).
     Fluent stages (``.decode().to_tuple(...).batched(n)``) work as on ``WebDataset``; the pass is
     checkpointable like any pipeline. Pair it with ``WebLoader(..., even_ends="pad")`` when the
     model's forward runs collectives (FSDP), so that a rank with one batch fewer joins them.
