@@ -20,6 +20,7 @@ import webdataset.filters
 
 import wdsraft as wds
 from wdsraft.core.state import describe
+from wdsraft.pipeline import decode as decode_module
 from wdsraft.pipeline.decode import DecodeStage
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # webdataset's advice warnings
@@ -259,6 +260,17 @@ def test_field_names_reach_the_short_way_as_values_never_as_code() -> None:
     theirs, ours = _both(_decode(), samples)
     _same(theirs, ours)
     assert ours[2] == {"__key__": "k2", odd[3]: "meta", odd[0]: "t", odd[1]: [1], odd[2]: 7, odd[4]: "x"}
+
+
+def test_a_shapes_short_way_is_compiled_once_per_process() -> None:
+    """Each pass plans its shapes anew; the code of a shape's short way is compiled once, then reused."""
+    samples = [{"__key__": f"k{n}", "__url__": "u", f"f{n % 2}.txt": b"t", "json": b"{}"} for n in range(4)]
+    stage = DecodeStage(autodecode.Decoder([autodecode.basichandlers]))
+    list(stage(iter(samples)))  # (the two shapes: compiled here, if no test before compiled them)
+    compiled = decode_module._factory.cache_info().misses
+    for _ in range(3):
+        assert [s["json"] for s in stage(iter(samples))] == [{}] * 4
+    assert decode_module._factory.cache_info().misses == compiled
 
 
 def _both_lazily(build: Any, samples: list[dict[str, Any]], side: int) -> list[Any]:
