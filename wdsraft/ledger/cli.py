@@ -408,10 +408,8 @@ def cmd_merge(args: argparse.Namespace) -> int:
     epochs, identities = _consumed(args, view, watermark)
     merged.pending = epochs
     # The identities recorded then, not those of the dataset now (which may not even be reachable).
-    recorded = identities.recorded
-    shards = {shard for consumed in merged.pending.values() for shard in (*consumed.samples, *consumed.tokens)}
-    merged._identities.checked.update({shard: recorded.get(shard) for shard in shards})
-    merged._to_record.update({shard: recorded[shard] for shard in shards if shard in recorded})
+    shards = {shard for consumed in epochs.values() for shard in (*consumed.samples, *consumed.tokens)}
+    merged.adopt_identities(shards, identities.recorded)
     print(json.dumps(merged.commit()))
     return 0
 
@@ -525,11 +523,8 @@ def cmd_compact(args: argparse.Namespace) -> int:
     if not watermark[0]:
         raise LedgerError(args.path, "no watermark to compact under (no step that every rank of a run committed)")
     reader = _reader(args.path)
-    if view is None:
-        url = reader.compact(*watermark)
-    else:  # (what finding the watermark read, the snapshot, the late markers, the files, is not read again)
-        merged = merge_under(args.path, *watermark, reader._identities, known=view.files, reads=view.reads)
-        url = reader._compact_merged(merged, *watermark)
+    # (what finding the watermark read, the snapshot, the late markers, the files, is not read again)
+    url = reader.compact(*watermark, known=view.files if view else (), reads=view.reads if view else None)
     read = reader.last_read
     start = f" (from {read.snapshot.url})" if read and read.snapshot else ""
     print(f"wrote {url}: {_lineage_text(*watermark)}, {read.files_read if read else 0} rank files merged{start}")
