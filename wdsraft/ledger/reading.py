@@ -30,6 +30,7 @@ ATTEMPTS = 4
 RANK_SUFFIX = ".ledger"
 
 T = TypeVar("T")
+U = TypeVar("U")
 
 
 _client_lock = threading.Lock()
@@ -91,7 +92,7 @@ def read_optional(url: str) -> bytes | None:
 
 
 def parallel_map(
-    function: Callable[[str], T], urls: Iterable[str], progress: str | None = None, concurrency: int = CONCURRENCY
+    function: Callable[[U], T], urls: Iterable[U], progress: str | None = None, concurrency: int = CONCURRENCY
 ) -> Iterator[T]:
     """``function(url)`` of each URL, in order, ``WDSRAFT_LEDGER_CONCURRENCY`` at once (the connection pool's size)."""
     return map_in_threads(function, urls, progress, concurrency)
@@ -110,7 +111,7 @@ class Listed(NamedTuple):
     url: str
     run: str | None  # the run of the ``run-RUN`` folder it is in (None: in none)
     name: str  # its name within that folder
-    size: int  # bytes
+    size: int | None  # bytes; None where the listing does not give it (a local directory's: see ``sizes``)
 
 
 class RankListing:
@@ -122,6 +123,7 @@ class RankListing:
         self._runs: dict[str, list[Listed]] = {}
         self._whole: list[Listed] | None = None  # every run, from one listing of the ledger
         self._grouped: dict[str, list[Listed]] | None = None  # ``_whole`` by run
+        self._sizes: dict[str, dict[int, int]] = {}  # run -> rank -> bytes, where asked for
 
     def everything(self) -> list[str]:
         """Every rank file's URL (one listing of the whole ledger)."""
@@ -147,18 +149,28 @@ class RankListing:
         return sorted(item.url for found in self.of(runs).values() for item in found)
 
     def sizes(self, run: str) -> dict[int, int]:
-        """Each rank of a run and the size of its file in bytes."""
-        sizes = {}
-        for item in self.of([run])[run]:
-            digits = item.name[len("rank-") : -len(RANK_SUFFIX)]
-            if item.name.startswith("rank-") and item.name.endswith(RANK_SUFFIX) and digits.isdigit():
-                sizes[int(digits)] = item.size
-        return sizes
+        """Each rank of a run and the size of its file in bytes. Local files are stat'ed here, once, in
+        parallel: only a comparison with a snapshot needs sizes, a resume only reads the files."""
+        if run not in self._sizes:
+            ranks = {}
+            for item in self.of([run])[run]:
+                digits = item.name[len("rank-") : -len(RANK_SUFFIX)]
+                if item.name.startswith("rank-") and item.name.endswith(RANK_SUFFIX) and digits.isdigit():
+                    ranks[int(digits)] = item
+            self._sizes[run] = dict(zip(ranks, parallel_map(_size, ranks.values()), strict=True))
+        return self._sizes[run]
+
+
+def _size(item: Listed) -> int:
+    """A listed file's size: from the listing (S3), or stat'ed (a local file)."""
+    if item.size is not None:
+        return item.size
+    return os.stat(item.url).st_size
 
 
 def _list(path: str, run: str | None) -> list[Listed]:
-    """The rank files of one run, or of every run (``run`` None), with their sizes: one listing (of a
-    directory per run where local, of a prefix on S3, where sizes come with the names)."""
+    """The rank files of one run, or of every run (``run`` None): one listing (of a directory per run where
+    local, names only; of a prefix on S3, where sizes come with the names)."""
     local = local_path(path)
     if local is not None:
         if not os.path.isdir(local):
@@ -168,9 +180,8 @@ def _list(path: str, run: str | None) -> list[Listed]:
         for name in names:
             directory = os.path.join(local, name)
             if name.startswith("run-") and os.path.isdir(directory):
-                with os.scandir(directory) as entries:
-                    files = sorted((e.name, e.stat().st_size) for e in entries if e.name.endswith(RANK_SUFFIX))
-                found += [Listed(os.path.join(directory, f), name[len("run-") :], f, size) for f, size in files]
+                files = sorted(f for f in os.listdir(directory) if f.endswith(RANK_SUFFIX))
+                found += [Listed(os.path.join(directory, f), name[len("run-") :], f, None) for f in files]
         return found
     bucket, prefix = split_s3_url(path)
     # (a ledger at the bucket's root lists the whole bucket: Prefix="/" would list nothing)
