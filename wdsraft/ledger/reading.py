@@ -9,20 +9,19 @@ import functools
 import logging
 import os
 import posixpath
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple, TypeVar
 
 from wdsraft.io.ranged import split_s3_url
-from wdsraft.io.s3 import list_objects, s3_endpoint_url
+from wdsraft.io.s3 import list_objects, s3_pooled_client
 from wdsraft.io.storage import local_path
-from wdsraft.io.threads import map_in_threads
+from wdsraft.io.threads import concurrency_from_env, map_in_threads
 
 logger = logging.getLogger(__name__)
 
 #: Objects read at once per process (also the size of the S3 connection pool the reads share).
-CONCURRENCY = int(os.environ.get("WDSRAFT_LEDGER_CONCURRENCY", "32"))
+LEDGER_CONCURRENCY = concurrency_from_env("WDSRAFT_LEDGER_CONCURRENCY")
 
 #: Attempts per object for failures other than "not there" (a throttled or reset request, say).
 ATTEMPTS = 4
@@ -33,25 +32,10 @@ T = TypeVar("T")
 U = TypeVar("U")
 
 
-_client_lock = threading.Lock()
-
-
-def _client(pid: int, endpoint_url: str | None, pool: int) -> Any:
-    """A boto3 client whose connection pool holds ``pool`` connections (boto3's default, 10, would
-    serialise a pool of 32 reading threads); one per process, as clients must not cross a fork. Made
-    under a lock: the first reads start in many threads at once, and each would make its own."""
-    with _client_lock:
-        return _make_client(pid, endpoint_url, pool)
-
-
-@functools.lru_cache(maxsize=4)
-def _make_client(pid: int, endpoint_url: str | None, pool: int) -> Any:
-    import boto3
-    from botocore.config import Config
-
-    # (boto3 retries nothing here: read_bytes retries the whole GET, body included, ATTEMPTS times in all)
-    config = Config(max_pool_connections=pool, retries={"total_max_attempts": 1, "mode": "standard"})
-    return boto3.session.Session().client("s3", endpoint_url=endpoint_url, config=config)
+def _client() -> Any:
+    """The S3 client the ledger's reads share: a connection per read at once, and one attempt per request
+    (``read_bytes`` retries the whole GET, body included, ``ATTEMPTS`` times in all)."""
+    return s3_pooled_client(LEDGER_CONCURRENCY)
 
 
 def _missing(exn: BaseException) -> bool:
@@ -71,7 +55,7 @@ def read_bytes(url: str) -> bytes:
                 with open(path, "rb") as stream:
                     return stream.read()
             bucket, key = split_s3_url(url)
-            response = _client(os.getpid(), s3_endpoint_url(), CONCURRENCY).get_object(Bucket=bucket, Key=key)
+            response = _client().get_object(Bucket=bucket, Key=key)
             return bytes(response["Body"].read())
         except Exception as exn:
             if _missing(exn):
@@ -92,7 +76,7 @@ def read_optional(url: str) -> bytes | None:
 
 
 def parallel_map(
-    function: Callable[[U], T], urls: Iterable[U], progress: str | None = None, concurrency: int = CONCURRENCY
+    function: Callable[[U], T], urls: Iterable[U], progress: str | None = None, concurrency: int = LEDGER_CONCURRENCY
 ) -> Iterator[T]:
     """``function(url)`` of each URL, in order, ``WDSRAFT_LEDGER_CONCURRENCY`` at once (the connection pool's size)."""
     return map_in_threads(function, urls, progress, concurrency)
@@ -214,7 +198,7 @@ def list_runs(path: str) -> list[str]:
         return [n[len("run-") :] for n in names if n.startswith("run-") and os.path.isdir(os.path.join(local, n))]
     bucket, prefix = split_s3_url(path)
     base = prefix.rstrip("/") + "/" if prefix else ""
-    paginator = _client(os.getpid(), s3_endpoint_url(), CONCURRENCY).get_paginator("list_objects_v2")
+    paginator = _client().get_paginator("list_objects_v2")
     runs = []
     for page in paginator.paginate(Bucket=bucket, Prefix=base, Delimiter="/"):
         for common in page.get("CommonPrefixes", []):
