@@ -292,9 +292,12 @@ def test_ledger_compact_command_and_rewind_drops_snapshots_beyond_it(tmp_path, c
     lineage = ",".join(f"{run}={c}@{marks[0]['steps'][run]}" for run, c in marks[0]["lineage"].items())
     assert main(["ledger", "compact", path, "--lineage", lineage]) == 0
     assert f"{RANKS} rank files merged" in capsys.readouterr().out
+    torn = str(Path(path) / "snapshots" / "torn.snapshot")  # (a copy cut short: no rewound read could use it)
+    Path(torn).write_bytes(Path(newest).read_bytes()[:-9])
     assert main(["ledger", "rewind", path, "--lineage", lineage]) == 0
     out = capsys.readouterr().out
     assert f"removed the snapshot {newest} (it counts run r1, which is outside the lineage" in out
+    assert f"removed the snapshot {torn} ({torn}: unreadable ledger snapshot (torn or not msgpack" in out
     assert [Path(u).name for u in snapshot_urls(path)] == [Path(snapshot_url(path, **_mark_of(marks[0]))).name]
 
 

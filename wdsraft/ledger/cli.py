@@ -21,8 +21,7 @@ from wdsraft.ledger.ledger import Ledger
 from wdsraft.ledger.merged import merge_under, read_rank_files
 from wdsraft.ledger.overview import LedgerView, view_ledger
 from wdsraft.ledger.rank_file import SUFFIX, RankFile, committed_in, counted
-from wdsraft.ledger.reading import parallel_map, read_optional
-from wdsraft.ledger.snapshot import Snapshot, late_commits, late_marker_url, snapshot_urls
+from wdsraft.ledger.snapshot import LedgerReads, late_commits, late_marker_url, snapshot_urls
 
 logger = logging.getLogger(__name__)
 
@@ -438,7 +437,7 @@ def cmd_rewind(args: argparse.Namespace) -> int:
     lineage = watermark[0]
     if not lineage:
         raise LedgerError(args.path, "the watermark names no run: nothing would be kept")
-    _remove_snapshots_beyond(args.path, watermark)
+    _remove_snapshots_beyond(args.path, watermark, view.reads)
     for rank_file in files:
         if rank_file.run not in lineage:
             if args.prune:
@@ -498,17 +497,14 @@ def _ranges(ordinals: list[int]) -> list[list[int]]:
     return ranges
 
 
-def _remove_snapshots_beyond(path: str, watermark: Watermark) -> None:
-    """Snapshots that count commits the rewind drops (or runs it prunes): never used under the rewound
-    watermark or any that builds on it, so they go (those within it stay)."""
+def _remove_snapshots_beyond(path: str, watermark: Watermark, reads: LedgerReads) -> None:
+    """Snapshots that count commits the rewind drops (or runs it prunes), or torn ones: never used under the
+    rewound watermark or any that builds on it, so they go (those within it stay)."""
     urls = list(snapshot_urls(path))
-    for url, raw in zip(urls, parallel_map(read_optional, urls), strict=True):
-        if raw is None:
+    for url, parsed in zip(urls, reads.snapshots(urls), strict=True):
+        if parsed is None:
             continue
-        try:
-            why = Snapshot.parse(url, raw).refusal(path, *watermark)
-        except LedgerError as exn:
-            why = str(exn)
+        why = str(parsed) if isinstance(parsed, LedgerError) else parsed.refusal(path, *watermark)
         if why is not None:
             remove(url)
             print(f"removed the snapshot {url} ({why})")
