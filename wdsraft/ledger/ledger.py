@@ -127,8 +127,7 @@ class Ledger:
 
     def track(self, loader: Any) -> Iterator[Any]:
         """Iterate ``loader``, recording each batch as it is handed to the training loop."""
-        inner = getattr(getattr(loader, "loader", None), "dataset", None)
-        if getattr(inner, "repetitions", 1) != 1:
+        if getattr(_webloader_dataset(loader), "repetitions", 1) != 1:
             # Batches would be recorded under the loader's epoch while the dataset moves through its own.
             raise LedgerError(
                 "ledger", "the dataset inside the WebLoader repeats (repeat/with_epoch): put them on the WebLoader"
@@ -140,9 +139,7 @@ class Ledger:
                 f"{type(loader).__name__} has no epoch, and the ledger records consumed samples per epoch: track a "
                 "wds.WebLoader or a wdsraft pipeline (or a loader whose `epoch` attribute set_epoch advances)",
             )
-        self.repeats_expected = _draws_with_replacement(
-            inner if inner is not None else getattr(loader, "dataset", loader)
-        )
+        self.repeats_expected = _draws_with_replacement(_iterated_dataset(loader))
         for batch in loader:
             self.record(batch, _epoch_of(loader))
             yield batch
@@ -484,9 +481,20 @@ def _epoch_of(loader: Any) -> int:
     return max(int(epoch), 0)
 
 
+def _webloader_dataset(loader: Any) -> Any:
+    """A WebLoader's dataset (None for another loader)."""
+    return getattr(getattr(loader, "loader", None), "dataset", None)
+
+
+def _iterated_dataset(loader: Any) -> Any:
+    """The dataset a loader iterates: a WebLoader's, a torch DataLoader's, or the loader itself (a pipeline)."""
+    dataset = _webloader_dataset(loader)
+    return dataset if dataset is not None else getattr(loader, "dataset", loader)
+
+
 def _dataset_of(loader: Any) -> Any:
-    dataset = getattr(getattr(loader, "loader", None), "dataset", None)  # a WebLoader's dataset
-    dataset = dataset if dataset is not None else getattr(loader, "dataset", loader)
+    """The dataset a loader iterates, which a resume tells what to skip."""
+    dataset = _iterated_dataset(loader)
     if not hasattr(dataset, "skip_consumed"):
         raise LedgerError("ledger", f"{type(dataset).__name__} cannot skip consumed samples (use a wdsraft pipeline)")
     return dataset
