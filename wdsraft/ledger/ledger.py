@@ -207,8 +207,9 @@ class Ledger:
     def adopt_identities(self, shards: Iterable[str], recorded: dict[str, Identity]) -> None:
         """Record at the next commit, for these shards, the identities another ledger recorded (``recorded``,
         shard URL -> identity) instead of reading them from the dataset now, which may have changed or be out
-        of reach (``wdsraft ledger merge``); a shard it has none for is not checked either."""
-        shards = set(shards)
+        of reach (``wdsraft ledger merge``); a shard it has none for is not checked either. ``shards`` may be
+        a ledger's shard keys: a later pass's key (``URL#pass=p``) stands for its shard, as in ``commit``."""
+        shards = {shard_of_key(key) for key in shards}
         self._identities.checked.update({shard: recorded.get(shard) for shard in shards})
         self._to_record.update({shard: recorded[shard] for shard in shards if shard in recorded})
 
