@@ -9,6 +9,7 @@ from collections import Counter
 import pytest
 
 import wdsraft as wds
+from wdsraft.cli import main
 from wdsraft.core.fields import pass_key
 from wdsraft.ledger.consumed import positions_of
 
@@ -105,6 +106,22 @@ def test_positions_of_a_later_pass_carry_the_pass() -> None:
     batch = {"__url__": ["s.tar", "s.tar"], "__ordinal__": [3, 3], "__pass__": [0, 2]}
     assert positions_of(batch) == [("s.tar", 3, None, True), ("s.tar#pass=2", 3, None, True)]
     assert positions_of({"__url__": "s.tar", "__ordinal__": 1}) == [("s.tar", 1, None, True)]
+
+
+def test_merge_keeps_the_recorded_identity_of_a_shard_known_only_by_a_later_pass(tmp_path) -> None:
+    """``ledger merge`` of a ledger in which a shard appears only under a later pass's key (``URL#pass=1``):
+    the merged ledger records the identity the ledger recorded for the shard, not none (here the dataset is
+    gone: read now, it would give none, and a resume on a replaced dataset would go unchecked)."""
+    shard = str(tmp_path / "gone" / "a.tar")
+    identity = {"sha256": "ab" * 32, "samples": 10, "size": 100}
+    ledger = wds.Ledger(str(tmp_path / "l"), run="one", rank=0, world_size=1)
+    ledger.adopt_identities([shard], {shard: identity})
+    ledger.record({"__url__": [shard], "__ordinal__": [3], "__pass__": [1]}, epoch=0)
+    ledger.commit(step=1)
+    assert main(["ledger", "merge", str(tmp_path / "l"), "--output", str(tmp_path / "m")]) == 0
+    (merged,) = wds.Ledger(str(tmp_path / "m"), run="x").rank_files()
+    assert [sorted(c["epochs"]["0"]["samples"]) for c in merged.commits] == [[pass_key(shard, 1)]]
+    assert [c["shards"] for c in merged.commits] == [{shard: identity}]
 
 
 # -- token sequences of a mixture ------------------------------------------------------------------

@@ -134,3 +134,73 @@ def test_a_torn_snapshot_written_last_is_read_once(ledger_path: str, monkeypatch
     rewritten = Snapshot.parse(url, read_bytes(url))  # (written again, whole, from every rank's file)
     assert rewritten.lineage == {"a": 2} and rewritten.epochs[0].count() == RANKS * 4
     assert f"{RANKS} rank files merged" in capsys.readouterr().out
+
+
+class Stats:
+    """Counts the stat calls on local rank files: ``os.stat`` (and what calls it) and the ``stat()`` of the
+    entries of an ``os.scandir`` (a C type: its entries are wrapped to count)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.seen: Counter = Counter()
+        real_stat, real_scandir = os.stat, os.scandir
+        seen = self.seen
+
+        def stat(path: Any, *args: Any, **kwargs: Any) -> Any:
+            if str(path).endswith(".ledger"):
+                seen[str(path)] += 1
+            return real_stat(path, *args, **kwargs)
+
+        class Entry:
+            def __init__(self, entry: Any) -> None:
+                self.entry = entry
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(self.entry, name)
+
+            def stat(self, *args: Any, **kwargs: Any) -> Any:
+                if self.entry.name.endswith(".ledger"):
+                    seen[self.entry.path] += 1
+                return self.entry.stat(*args, **kwargs)
+
+        class Listing:
+            def __init__(self, path: Any = ".") -> None:
+                self.entries = real_scandir(path)
+
+            def __enter__(self) -> Listing:
+                return self
+
+            def __exit__(self, *exc: Any) -> None:
+                self.entries.close()
+
+            def __iter__(self) -> Any:
+                return (Entry(entry) for entry in self.entries)
+
+            def close(self) -> None:
+                self.entries.close()
+
+        monkeypatch.setattr(os, "stat", stat)
+        monkeypatch.setattr(os, "scandir", Listing)
+
+
+def test_a_read_under_a_watermark_stats_no_rank_file(tmp_path, monkeypatch, capsys) -> None:
+    """A local ledger's rank files are listed by name only: a read under a watermark (what ``resume()``
+    does) never needs their sizes, so no rank file is stat'ed. ``ledger show`` from a snapshot compares the
+    sizes of the newest run it covers with what it recorded: each of that run's files is stat'ed once, and
+    no other (the run after the snapshot is read whole)."""
+    path = str(tmp_path / "ledger")
+    mark, _ = _run(path, "a", None, (1, 2))
+    mark, _ = _run(path, "b", mark, (3, 4))
+    stats = Stats(monkeypatch)
+    merged = wds.Ledger(path, run="check").merged(mark["lineage"], mark["steps"])
+    assert merged.snapshot is None and merged.files_read == 2 * RANKS
+    assert merged.epochs[0].count() == RANKS * 2 * 4
+    assert stats.seen == {}
+    monkeypatch.undo()
+
+    assert main(["ledger", "compact", path]) == 0
+    _run(path, "c", mark, (5,))
+    capsys.readouterr()
+    stats = Stats(monkeypatch)
+    assert main(["ledger", "show", path]) == 0
+    assert "for 2 runs (as it recorded them), the files of 1 runs" in capsys.readouterr().out
+    assert stats.seen == {os.path.join(path, "run-b", f"rank-{rank:05d}.ledger"): 1 for rank in range(RANKS)}

@@ -24,8 +24,10 @@ WORLD = 4
 def _ledger_of_shards(path: str, shards: list[str]) -> dict:
     """One run of one rank that consumed 2 samples of each shard, each shard's identity recorded."""
     ledger = wds.Ledger(path, run="one", rank=0, world_size=1)
-    ledger._identities.checked.update({url: None for url in shards})  # (no dataset: nothing read here)
-    ledger._to_record.update({url: {"sha256": f"{n:064x}", "samples": 10, "size": 100} for n, url in enumerate(shards)})
+    # (no dataset: the identities are given, nothing is read)
+    ledger.adopt_identities(
+        shards, {url: {"sha256": f"{n:064x}", "samples": 10, "size": 100} for n, url in enumerate(shards)}
+    )
     ledger.record({"__url__": [u for u in shards for _ in (0, 1)], "__ordinal__": [0, 1] * len(shards)}, epoch=0)
     return ledger.commit(step=1)
 

@@ -292,9 +292,12 @@ def test_ledger_compact_command_and_rewind_drops_snapshots_beyond_it(tmp_path, c
     lineage = ",".join(f"{run}={c}@{marks[0]['steps'][run]}" for run, c in marks[0]["lineage"].items())
     assert main(["ledger", "compact", path, "--lineage", lineage]) == 0
     assert f"{RANKS} rank files merged" in capsys.readouterr().out
+    torn = str(Path(path) / "snapshots" / "torn.snapshot")  # (a copy cut short: no rewound read could use it)
+    Path(torn).write_bytes(Path(newest).read_bytes()[:-9])
     assert main(["ledger", "rewind", path, "--lineage", lineage]) == 0
     out = capsys.readouterr().out
     assert f"removed the snapshot {newest} (it counts run r1, which is outside the lineage" in out
+    assert f"removed the snapshot {torn} ({torn}: unreadable ledger snapshot (torn or not msgpack" in out
     assert [Path(u).name for u in snapshot_urls(path)] == [Path(snapshot_url(path, **_mark_of(marks[0]))).name]
 
 
@@ -334,3 +337,27 @@ def test_reads_are_retried_then_fail_naming_the_object(tmp_path, monkeypatch) ->
     with pytest.raises(FileNotFoundError, match=r"missing\.ledger"):
         reading.read_bytes(str(tmp_path / "missing.ledger"))
     assert list(reading.parallel_map(lambda u: u * 2, ["a", "b", "c"], concurrency=2)) == ["aa", "bb", "cc"]
+
+
+def test_the_ledger_concurrency_variable_sets_its_reads_and_their_connection_pool(tmp_path, monkeypatch) -> None:
+    """``WDSRAFT_LEDGER_CONCURRENCY`` sets how many ledger objects a process reads at once and the pool of
+    the S3 client they share (one connection each); the shard reader's client keeps its own pool. A value
+    that is not a positive whole number is refused naming the variable."""
+    probe = (
+        "import inspect; from wdsraft.ledger import reading; from wdsraft.io.s3 import s3_reader_client\n"
+        "ledger, reader = reading._client().meta.config, s3_reader_client(1.5, 2.5).meta.config\n"
+        "default = inspect.signature(reading.parallel_map).parameters['concurrency'].default\n"
+        "print(default, ledger.max_pool_connections, ledger.retries['total_max_attempts'],"
+        " reader.max_pool_connections, reader.connect_timeout, reader.read_timeout)"
+    )
+    env = dict(os.environ, WDSRAFT_LEDGER_CONCURRENCY="5", AWS_ENDPOINT_URL="http://127.0.0.1:1")
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["5", "5", "1", "32", "1.5", "2.5"]
+    from wdsraft.io.threads import CONCURRENCY, concurrency_from_env
+
+    monkeypatch.delenv("WDSRAFT_LEDGER_CONCURRENCY", raising=False)
+    assert concurrency_from_env("WDSRAFT_LEDGER_CONCURRENCY") == CONCURRENCY
+    for bad in ("abc", "0", "-3", "2.5"):
+        monkeypatch.setenv("WDSRAFT_LEDGER_CONCURRENCY", bad)
+        with pytest.raises(ValueError, match=f"WDSRAFT_LEDGER_CONCURRENCY='{re.escape(bad)}'"):
+            concurrency_from_env("WDSRAFT_LEDGER_CONCURRENCY")

@@ -12,6 +12,7 @@ import functools
 import logging
 import os
 import shutil
+import threading
 from typing import Any, NamedTuple
 from urllib.parse import urlparse
 
@@ -36,25 +37,39 @@ def s3_client() -> Any:
     return _s3_client_for(os.getpid(), s3_endpoint_url())
 
 
+_pooled_lock = threading.Lock()
+
+
+def s3_pooled_client(pool: int, connect_timeout: float | None = None, read_timeout: float | None = None) -> Any:
+    """A boto3 S3 client for this process (clients must not cross a fork) that many threads read through at
+    once: a pool of ``pool`` connections (with boto3's 10, urllib3 drops and reopens a connection per request
+    beyond it), one attempt per request (its callers retry, the whole read, and log it), and these timeouts
+    (botocore's where None). Made under a lock: the first reads start in many threads at once, and each
+    would make its own."""
+    with _pooled_lock:
+        return _pooled_client_for(os.getpid(), s3_endpoint_url(), pool, connect_timeout, read_timeout)
+
+
 @functools.lru_cache(maxsize=8)
-def _s3_reader_client_for(pid: int, endpoint_url: str | None, connect_timeout: float, read_timeout: float) -> Any:
+def _pooled_client_for(
+    pid: int, endpoint_url: str | None, pool: int, connect_timeout: float | None, read_timeout: float | None
+) -> Any:
     import boto3
     from botocore.config import Config
 
-    # One attempt per call: the shard reader retries itself, at the offset reached, and logs each retry. A pool
-    # as large as the threads that read indexes at once (boto3's 10 made urllib3 drop a connection per read).
+    timeouts = {"connect_timeout": connect_timeout, "read_timeout": read_timeout}
     config = Config(
-        connect_timeout=connect_timeout,
-        read_timeout=read_timeout,
-        retries={"total_max_attempts": 1},
-        max_pool_connections=CONCURRENCY,
+        max_pool_connections=pool,
+        retries={"total_max_attempts": 1, "mode": "standard"},
+        **{name: value for name, value in timeouts.items() if value is not None},  # (None would mean: no limit)
     )
     return boto3.session.Session().client("s3", endpoint_url=endpoint_url, config=config)
 
 
 def s3_reader_client(connect_timeout: float, read_timeout: float) -> Any:
-    """A boto3 S3 client for the shard reader: these timeouts, no retries of its own."""
-    return _s3_reader_client_for(os.getpid(), s3_endpoint_url(), connect_timeout, read_timeout)
+    """The shard reader's S3 client: these timeouts, no retries of its own (it retries at the offset reached),
+    a connection per index read at once (``CONCURRENCY``)."""
+    return s3_pooled_client(CONCURRENCY, connect_timeout, read_timeout)
 
 
 class S3Object(NamedTuple):

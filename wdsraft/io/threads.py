@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -13,6 +14,21 @@ U = TypeVar("U")
 
 #: Calls at once, by default (S3 reads wait on the network, not on the GIL).
 CONCURRENCY = 32
+
+
+def concurrency_from_env(variable: str) -> int:
+    """The calls at once that the environment variable ``variable`` asks for, ``CONCURRENCY`` where unset;
+    ``ValueError`` naming it where it is not a positive whole number."""
+    text = os.environ.get(variable)
+    if not text:
+        return CONCURRENCY
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{variable}={text!r} is not a whole number") from None
+    if value < 1:
+        raise ValueError(f"{variable}={text!r}: at least 1 call at once")
+    return value
 
 
 def map_in_threads(

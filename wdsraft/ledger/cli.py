@@ -21,8 +21,7 @@ from wdsraft.ledger.ledger import Ledger
 from wdsraft.ledger.merged import merge_under, read_rank_files
 from wdsraft.ledger.overview import LedgerView, view_ledger
 from wdsraft.ledger.rank_file import SUFFIX, RankFile, committed_in, counted
-from wdsraft.ledger.reading import parallel_map, read_optional
-from wdsraft.ledger.snapshot import Snapshot, late_commits, late_marker_url, snapshot_urls
+from wdsraft.ledger.snapshot import LedgerReads, late_commits, late_marker_url, snapshot_urls
 
 logger = logging.getLogger(__name__)
 
@@ -408,10 +407,8 @@ def cmd_merge(args: argparse.Namespace) -> int:
     epochs, identities = _consumed(args, view, watermark)
     merged.pending = epochs
     # The identities recorded then, not those of the dataset now (which may not even be reachable).
-    recorded = identities.recorded
-    shards = {shard for consumed in merged.pending.values() for shard in (*consumed.samples, *consumed.tokens)}
-    merged._identities.checked.update({shard: recorded.get(shard) for shard in shards})
-    merged._to_record.update({shard: recorded[shard] for shard in shards if shard in recorded})
+    shards = {shard for consumed in epochs.values() for shard in (*consumed.samples, *consumed.tokens)}
+    merged.adopt_identities(shards, identities.recorded)
     print(json.dumps(merged.commit()))
     return 0
 
@@ -440,7 +437,7 @@ def cmd_rewind(args: argparse.Namespace) -> int:
     lineage = watermark[0]
     if not lineage:
         raise LedgerError(args.path, "the watermark names no run: nothing would be kept")
-    _remove_snapshots_beyond(args.path, watermark)
+    _remove_snapshots_beyond(args.path, watermark, view.reads)
     for rank_file in files:
         if rank_file.run not in lineage:
             if args.prune:
@@ -500,17 +497,14 @@ def _ranges(ordinals: list[int]) -> list[list[int]]:
     return ranges
 
 
-def _remove_snapshots_beyond(path: str, watermark: Watermark) -> None:
-    """Snapshots that count commits the rewind drops (or runs it prunes): never used under the rewound
-    watermark or any that builds on it, so they go (those within it stay)."""
+def _remove_snapshots_beyond(path: str, watermark: Watermark, reads: LedgerReads) -> None:
+    """Snapshots that count commits the rewind drops (or runs it prunes), or torn ones: never used under the
+    rewound watermark or any that builds on it, so they go (those within it stay)."""
     urls = list(snapshot_urls(path))
-    for url, raw in zip(urls, parallel_map(read_optional, urls), strict=True):
-        if raw is None:
+    for url, parsed in zip(urls, reads.snapshots(urls), strict=True):
+        if parsed is None:
             continue
-        try:
-            why = Snapshot.parse(url, raw).refusal(path, *watermark)
-        except LedgerError as exn:
-            why = str(exn)
+        why = str(parsed) if isinstance(parsed, LedgerError) else parsed.refusal(path, *watermark)
         if why is not None:
             remove(url)
             print(f"removed the snapshot {url} ({why})")
@@ -525,11 +519,8 @@ def cmd_compact(args: argparse.Namespace) -> int:
     if not watermark[0]:
         raise LedgerError(args.path, "no watermark to compact under (no step that every rank of a run committed)")
     reader = _reader(args.path)
-    if view is None:
-        url = reader.compact(*watermark)
-    else:  # (what finding the watermark read, the snapshot, the late markers, the files, is not read again)
-        merged = merge_under(args.path, *watermark, reader._identities, known=view.files, reads=view.reads)
-        url = reader._compact_merged(merged, *watermark)
+    # (what finding the watermark read, the snapshot, the late markers, the files, is not read again)
+    url = reader.compact(*watermark, known=view.files if view else (), reads=view.reads if view else None)
     read = reader.last_read
     start = f" (from {read.snapshot.url})" if read and read.snapshot else ""
     print(f"wrote {url}: {_lineage_text(*watermark)}, {read.files_read if read else 0} rank files merged{start}")

@@ -25,7 +25,7 @@ import operator
 import posixpath
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from wdsraft.core.distributed import rank_and_world_size
@@ -38,7 +38,7 @@ from wdsraft.ledger.identity import Identity, ShardIdentities
 from wdsraft.ledger.merged import Merged, merge_under, read_rank_files, shared
 from wdsraft.ledger.rank_file import SUFFIX, RankFile, counted, default_run_id
 from wdsraft.ledger.reading import list_rank_files, parallel_map, read_optional
-from wdsraft.ledger.snapshot import Snapshot, late_marker_url, snapshot_url, write_snapshot
+from wdsraft.ledger.snapshot import LedgerReads, Snapshot, late_marker_url, snapshot_url, write_snapshot
 from wdsraft.pipeline.datapipeline import state_epoch
 from wdsraft.pipeline.shardlists import UrlList
 
@@ -127,8 +127,7 @@ class Ledger:
 
     def track(self, loader: Any) -> Iterator[Any]:
         """Iterate ``loader``, recording each batch as it is handed to the training loop."""
-        inner = getattr(getattr(loader, "loader", None), "dataset", None)
-        if getattr(inner, "repetitions", 1) != 1:
+        if getattr(_webloader_dataset(loader), "repetitions", 1) != 1:
             # Batches would be recorded under the loader's epoch while the dataset moves through its own.
             raise LedgerError(
                 "ledger", "the dataset inside the WebLoader repeats (repeat/with_epoch): put them on the WebLoader"
@@ -140,9 +139,7 @@ class Ledger:
                 f"{type(loader).__name__} has no epoch, and the ledger records consumed samples per epoch: track a "
                 "wds.WebLoader or a wdsraft pipeline (or a loader whose `epoch` attribute set_epoch advances)",
             )
-        self.repeats_expected = _draws_with_replacement(
-            inner if inner is not None else getattr(loader, "dataset", loader)
-        )
+        self.repeats_expected = _draws_with_replacement(_iterated_dataset(loader))
         for batch in loader:
             self.record(batch, _epoch_of(loader))
             yield batch
@@ -207,6 +204,15 @@ class Ledger:
             lineage[self.run], steps[self.run] = self.commit_number, self.last_step
         return {"ledger": self.path, "lineage": lineage, "steps": steps, "epoch": epoch, "skip": self.skip}
 
+    def adopt_identities(self, shards: Iterable[str], recorded: dict[str, Identity]) -> None:
+        """Record at the next commit, for these shards, the identities another ledger recorded (``recorded``,
+        shard URL -> identity) instead of reading them from the dataset now, which may have changed or be out
+        of reach (``wdsraft ledger merge``); a shard it has none for is not checked either. ``shards`` may be
+        a ledger's shard keys: a later pass's key (``URL#pass=p``) stands for its shard, as in ``commit``."""
+        shards = {shard_of_key(key) for key in shards}
+        self._identities.checked.update({shard: recorded.get(shard) for shard in shards})
+        self._to_record.update({shard: recorded[shard] for shard in shards if shard in recorded})
+
     # -- reading -----------------------------------------------------------------------------------
 
     def files(self) -> list[str]:
@@ -227,23 +233,34 @@ class Ledger:
             lineage, steps = mark["lineage"], mark["steps"]
         return self.merged(lineage, steps).epochs.get(epoch, ConsumedSet())
 
-    def merged(self, lineage: dict[str, int], steps: dict[str, int | None] | None = None) -> Merged:
+    def merged(
+        self,
+        lineage: dict[str, int],
+        steps: dict[str, int | None] | None = None,
+        known: Iterable[RankFile] = (),
+        reads: LedgerReads | None = None,
+    ) -> Merged:
         """Every epoch's consumed set under a watermark: from the newest usable snapshot within it, plus
-        the rank files of the runs it does not cover (all runs of the lineage where there is none)."""
-        self.last_read = merge_under(self.path, lineage, steps, self._identities)
+        the rank files of the runs it does not cover (all runs of the lineage where there is none).
+        ``known``, ``reads``: rank files (whole), and the snapshots, late markers and listings, that the
+        caller read already (a ``wdsraft ledger`` command that surveyed the ledger first): not read again."""
+        self.last_read = merge_under(self.path, lineage, steps, self._identities, known=known, reads=reads)
         return self.last_read
 
-    def compact(self, lineage: dict[str, int] | None = None, steps: dict[str, int | None] | None = None) -> str:
+    def compact(
+        self,
+        lineage: dict[str, int] | None = None,
+        steps: dict[str, int | None] | None = None,
+        known: Iterable[RankFile] = (),
+        reads: LedgerReads | None = None,
+    ) -> str:
         """Write the snapshot of the ledger under a watermark (default: this ledger's own); returns its URL.
-        Later reads under that watermark, or one that builds on it, start from it."""
+        Later reads under that watermark, or one that builds on it, start from it. ``known``, ``reads``: as
+        for ``merged``."""
         if lineage is None:
             mark = self.watermark()
             lineage, steps = mark["lineage"], mark["steps"]
-        return self._compact_merged(self.merged(lineage, steps), lineage, steps)
-
-    def _compact_merged(self, merged: Merged, lineage: dict[str, int], steps: dict[str, int | None] | None) -> str:
-        """``compact(lineage, steps)`` of what was read already under that watermark (``merge_under``)."""
-        self.last_read = merged
+        merged = self.merged(lineage, steps, known=known, reads=reads)
         summaries = merged.summaries()
         for run, commit in lineage.items():
             # A rank committing this step later would leave no late marker (its first commit there): the
@@ -465,9 +482,20 @@ def _epoch_of(loader: Any) -> int:
     return max(int(epoch), 0)
 
 
+def _webloader_dataset(loader: Any) -> Any:
+    """A WebLoader's dataset (None for another loader)."""
+    return getattr(getattr(loader, "loader", None), "dataset", None)
+
+
+def _iterated_dataset(loader: Any) -> Any:
+    """The dataset a loader iterates: a WebLoader's, a torch DataLoader's, or the loader itself (a pipeline)."""
+    dataset = _webloader_dataset(loader)
+    return dataset if dataset is not None else getattr(loader, "dataset", loader)
+
+
 def _dataset_of(loader: Any) -> Any:
-    dataset = getattr(getattr(loader, "loader", None), "dataset", None)  # a WebLoader's dataset
-    dataset = dataset if dataset is not None else getattr(loader, "dataset", loader)
+    """The dataset a loader iterates, which a resume tells what to skip."""
+    dataset = _iterated_dataset(loader)
     if not hasattr(dataset, "skip_consumed"):
         raise LedgerError("ledger", f"{type(dataset).__name__} cannot skip consumed samples (use a wdsraft pipeline)")
     return dataset

@@ -9,20 +9,19 @@ import functools
 import logging
 import os
 import posixpath
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple, TypeVar
 
 from wdsraft.io.ranged import split_s3_url
-from wdsraft.io.s3 import list_objects, s3_endpoint_url
+from wdsraft.io.s3 import list_objects, s3_pooled_client
 from wdsraft.io.storage import local_path
-from wdsraft.io.threads import map_in_threads
+from wdsraft.io.threads import concurrency_from_env, map_in_threads
 
 logger = logging.getLogger(__name__)
 
 #: Objects read at once per process (also the size of the S3 connection pool the reads share).
-CONCURRENCY = int(os.environ.get("WDSRAFT_LEDGER_CONCURRENCY", "32"))
+LEDGER_CONCURRENCY = concurrency_from_env("WDSRAFT_LEDGER_CONCURRENCY")
 
 #: Attempts per object for failures other than "not there" (a throttled or reset request, say).
 ATTEMPTS = 4
@@ -30,27 +29,13 @@ ATTEMPTS = 4
 RANK_SUFFIX = ".ledger"
 
 T = TypeVar("T")
+U = TypeVar("U")
 
 
-_client_lock = threading.Lock()
-
-
-def _client(pid: int, endpoint_url: str | None, pool: int) -> Any:
-    """A boto3 client whose connection pool holds ``pool`` connections (boto3's default, 10, would
-    serialise a pool of 32 reading threads); one per process, as clients must not cross a fork. Made
-    under a lock: the first reads start in many threads at once, and each would make its own."""
-    with _client_lock:
-        return _make_client(pid, endpoint_url, pool)
-
-
-@functools.lru_cache(maxsize=4)
-def _make_client(pid: int, endpoint_url: str | None, pool: int) -> Any:
-    import boto3
-    from botocore.config import Config
-
-    # (boto3 retries nothing here: read_bytes retries the whole GET, body included, ATTEMPTS times in all)
-    config = Config(max_pool_connections=pool, retries={"total_max_attempts": 1, "mode": "standard"})
-    return boto3.session.Session().client("s3", endpoint_url=endpoint_url, config=config)
+def _client() -> Any:
+    """The S3 client the ledger's reads share: a connection per read at once, and one attempt per request
+    (``read_bytes`` retries the whole GET, body included, ``ATTEMPTS`` times in all)."""
+    return s3_pooled_client(LEDGER_CONCURRENCY)
 
 
 def _missing(exn: BaseException) -> bool:
@@ -70,7 +55,7 @@ def read_bytes(url: str) -> bytes:
                 with open(path, "rb") as stream:
                     return stream.read()
             bucket, key = split_s3_url(url)
-            response = _client(os.getpid(), s3_endpoint_url(), CONCURRENCY).get_object(Bucket=bucket, Key=key)
+            response = _client().get_object(Bucket=bucket, Key=key)
             return bytes(response["Body"].read())
         except Exception as exn:
             if _missing(exn):
@@ -91,7 +76,7 @@ def read_optional(url: str) -> bytes | None:
 
 
 def parallel_map(
-    function: Callable[[str], T], urls: Iterable[str], progress: str | None = None, concurrency: int = CONCURRENCY
+    function: Callable[[U], T], urls: Iterable[U], progress: str | None = None, concurrency: int = LEDGER_CONCURRENCY
 ) -> Iterator[T]:
     """``function(url)`` of each URL, in order, ``WDSRAFT_LEDGER_CONCURRENCY`` at once (the connection pool's size)."""
     return map_in_threads(function, urls, progress, concurrency)
@@ -110,7 +95,7 @@ class Listed(NamedTuple):
     url: str
     run: str | None  # the run of the ``run-RUN`` folder it is in (None: in none)
     name: str  # its name within that folder
-    size: int  # bytes
+    size: int | None  # bytes; None where the listing does not give it (a local directory's: see ``sizes``)
 
 
 class RankListing:
@@ -122,6 +107,7 @@ class RankListing:
         self._runs: dict[str, list[Listed]] = {}
         self._whole: list[Listed] | None = None  # every run, from one listing of the ledger
         self._grouped: dict[str, list[Listed]] | None = None  # ``_whole`` by run
+        self._sizes: dict[str, dict[int, int]] = {}  # run -> rank -> bytes, where asked for
 
     def everything(self) -> list[str]:
         """Every rank file's URL (one listing of the whole ledger)."""
@@ -147,18 +133,28 @@ class RankListing:
         return sorted(item.url for found in self.of(runs).values() for item in found)
 
     def sizes(self, run: str) -> dict[int, int]:
-        """Each rank of a run and the size of its file in bytes."""
-        sizes = {}
-        for item in self.of([run])[run]:
-            digits = item.name[len("rank-") : -len(RANK_SUFFIX)]
-            if item.name.startswith("rank-") and item.name.endswith(RANK_SUFFIX) and digits.isdigit():
-                sizes[int(digits)] = item.size
-        return sizes
+        """Each rank of a run and the size of its file in bytes. Local files are stat'ed here, once, in
+        parallel: only a comparison with a snapshot needs sizes, a resume only reads the files."""
+        if run not in self._sizes:
+            ranks = {}
+            for item in self.of([run])[run]:
+                digits = item.name[len("rank-") : -len(RANK_SUFFIX)]
+                if item.name.startswith("rank-") and item.name.endswith(RANK_SUFFIX) and digits.isdigit():
+                    ranks[int(digits)] = item
+            self._sizes[run] = dict(zip(ranks, parallel_map(_size, ranks.values()), strict=True))
+        return self._sizes[run]
+
+
+def _size(item: Listed) -> int:
+    """A listed file's size: from the listing (S3), or stat'ed (a local file)."""
+    if item.size is not None:
+        return item.size
+    return os.stat(item.url).st_size
 
 
 def _list(path: str, run: str | None) -> list[Listed]:
-    """The rank files of one run, or of every run (``run`` None), with their sizes: one listing (of a
-    directory per run where local, of a prefix on S3, where sizes come with the names)."""
+    """The rank files of one run, or of every run (``run`` None): one listing (of a directory per run where
+    local, names only; of a prefix on S3, where sizes come with the names)."""
     local = local_path(path)
     if local is not None:
         if not os.path.isdir(local):
@@ -168,9 +164,8 @@ def _list(path: str, run: str | None) -> list[Listed]:
         for name in names:
             directory = os.path.join(local, name)
             if name.startswith("run-") and os.path.isdir(directory):
-                with os.scandir(directory) as entries:
-                    files = sorted((e.name, e.stat().st_size) for e in entries if e.name.endswith(RANK_SUFFIX))
-                found += [Listed(os.path.join(directory, f), name[len("run-") :], f, size) for f, size in files]
+                files = sorted(f for f in os.listdir(directory) if f.endswith(RANK_SUFFIX))
+                found += [Listed(os.path.join(directory, f), name[len("run-") :], f, None) for f in files]
         return found
     bucket, prefix = split_s3_url(path)
     # (a ledger at the bucket's root lists the whole bucket: Prefix="/" would list nothing)
@@ -203,7 +198,7 @@ def list_runs(path: str) -> list[str]:
         return [n[len("run-") :] for n in names if n.startswith("run-") and os.path.isdir(os.path.join(local, n))]
     bucket, prefix = split_s3_url(path)
     base = prefix.rstrip("/") + "/" if prefix else ""
-    paginator = _client(os.getpid(), s3_endpoint_url(), CONCURRENCY).get_paginator("list_objects_v2")
+    paginator = _client().get_paginator("list_objects_v2")
     runs = []
     for page in paginator.paginate(Bucket=bucket, Prefix=base, Delimiter="/"):
         for common in page.get("CommonPrefixes", []):
