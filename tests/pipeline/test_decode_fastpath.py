@@ -273,6 +273,28 @@ def test_a_shapes_short_way_is_compiled_once_per_process() -> None:
     assert decode_module._factory.cache_info().misses == compiled
 
 
+class _OwnDecode(bytes):
+    """A bytes subclass with its own ``decode``: webdataset's ``data.decode("utf-8")`` calls it."""
+
+    def decode(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]
+        return "its own"
+
+
+def test_a_bytes_subclass_and_a_very_wide_sample_decode_as_in_webdataset() -> None:
+    """Values that are not exactly bytes, and samples too wide for a short way of their own, take the general
+    way: webdataset's results (a subclass's own ``decode``), and nothing compiled for the wide shape."""
+    samples = [{"__key__": "a", "t.txt": _OwnDecode(b"x")}, {"__key__": "b", "t.txt": _OwnDecode(b"y")}]
+    for options in ({}, {"partial": True}):
+        theirs, ours = _both(_decode(**options), samples)
+        _same(theirs, ours)
+        assert ours[1]["t.txt"] == "its own"
+    wide = [{"__key__": f"k{n}", **{f"f{i}.txt": b"v" for i in range(300)}} for n in range(2)]
+    compiled = decode_module._factory.cache_info().misses
+    theirs, ours = _both(_decode(), wide)
+    _same(theirs, ours)
+    assert ours[1]["f299.txt"] == "v" and decode_module._factory.cache_info().misses == compiled
+
+
 def _both_lazily(build: Any, samples: list[dict[str, Any]], side: int) -> list[Any]:
     """One side of ``_both`` (webdataset's: 0, wdsraft's: 1), so that each side's error is caught on its own."""
     stage = build(webdataset.filters)

@@ -14,7 +14,11 @@ from typing import Any
 import pytest
 
 import wdsraft as wds
+from wdsraft.core.distributed import worker_info
 from wdsraft.index.manifest import MANIFEST_NAME, manifest_for
+from wdsraft.pipeline.evalsplit import EvalSplit
+from wdsraft.pipeline.source import TarfileToSamples
+from wdsraft.pipeline.stage import Context
 
 SIZES = [7, 7, 7, 7, 7, 3]  # 38 samples in 6 shards, as in test_eval_split
 EVERY = [f"{n:05d}" for n in range(sum(SIZES))]
@@ -178,3 +182,30 @@ def test_index_gets_on_s3_with_and_without_a_manifest(dataset_dir, s3_bucket, mo
         assert Counter(key for part in keys.values() for key in part) == Counter(EVERY)
         assert (gets[".idx"], gets[".json"]) == (RANKS * building[0] + PASS_READS, RANKS * building[1]), source
         assert gets[".idx"] == built["indexes"] + passed["indexes"]  # (one GET per read: no retries, no HEADs)
+
+
+@pytest.mark.parametrize("active", [1, 2, 3])
+def test_split_entries_mean_the_same_to_a_source_reading_several_shards_at_once(dataset_dir, active: int) -> None:
+    """An eval split's entries (a seek by the index, a count to check) read by ``TarfileToSamples`` one shard at
+    a time or several at once (``n_active_shards``): the same samples, and a stale count refused either way."""
+    split = EvalSplit(str(dataset_dir / MANIFEST_NAME))
+    entries = list(split._entries(10, 30))
+    assert entries[0]["offset"] is None and entries[0]["ordinal"] == 3  # (the range starts inside shard 1)
+    stage = TarfileToSamples(n_active_shards=active, handler=wds.warn_and_continue)
+    keys = [sample["__key__"] for sample in stage.run(Context(0, worker_info()), iter(entries), None)]
+    assert sorted(keys) == EVERY[10:30]
+    stale = [dict(entry, nsamples=entry["nsamples"] + 1) for entry in entries]
+    stage = TarfileToSamples(n_active_shards=active, handler=wds.warn_and_continue)
+    with pytest.raises(wds.IndexFormatError, match=r"evm-01\.tar\.idx: the split counted 8 samples"):
+        list(stage.run(Context(0, worker_info()), iter(stale), None))
+
+
+def test_a_manifest_of_shards_where_no_index_is_looked_up_is_refused_up_front(dataset_dir) -> None:
+    """Shards served over HTTP (or a ``pipe:``) have no index the reader looks up, so a manifest's counts could
+    not be checked: refused when the dataset is built, saying what to do, not shard by shard later."""
+    manifest = dataset_dir / MANIFEST_NAME
+    record = json.loads(manifest.read_text())
+    record["shardlist"][3]["url"] = "http://127.0.0.1:9/evm-03.tar"
+    manifest.write_text(json.dumps(record))
+    with pytest.raises(ValueError, match=r"http://127\.0\.0\.1:9/evm-03\.tar is neither local nor on S3"):
+        wds.EvalDataset(str(manifest))

@@ -38,7 +38,6 @@ class PackBestFit(_SequenceStage):
         super().__init__(length, pad_id)
         self.buffer = buffer
         self._ready: list[list[Piece]] = []  # packed sequences not yet handed out
-        self._restored = False  # whether this run began from a state (pieces may wait to be re-read)
 
     def config(self) -> dict[str, Any]:
         return {**super().config(), "buffer": self.buffer}
@@ -57,7 +56,6 @@ class PackBestFit(_SequenceStage):
         self._saved = state
         self._held = []
         self._ready = []
-        self._restored = state is not None  # (only a restore leaves pieces to re-read: fresh runs never look)
         return self._run(ctx, src)
 
     def _run(self, ctx: Context, src: Iterator[Any]) -> Iterator[Any]:
@@ -96,7 +94,8 @@ class PackBestFit(_SequenceStage):
 
     def _hand_out(self, ctx: Context) -> Iterator[Any]:
         while self._ready:
-            if self._restored and any(isinstance(piece[0], Unread) for piece in self._ready[0]):
+            # (only a restore leaves pieces to re-read, ``_restore(..., unread=True)``: fresh runs never look)
+            if self._saved is not None and any(isinstance(piece[0], Unread) for piece in self._ready[0]):
                 self._read_ahead(ctx)
             sequence = self._ready.pop(0)
             yield self._emit(ctx, sequence)

@@ -19,6 +19,7 @@ from wdsraft.core.errors import StateMismatchError
 from wdsraft.core.fields import OFFSET_FIELD, ORDINAL_FIELD
 from wdsraft.index.shard_index import ShardIndex
 from wdsraft.io.storage import local_path
+from wdsraft.pipeline.shard_entries import ShardEntry, start_of
 from wdsraft.pipeline.stage import Context
 
 if TYPE_CHECKING:  # (the source imports this module)
@@ -101,9 +102,8 @@ class ActiveShards:
         return {"shards_started": self.started, "active": [cursor.state() for cursor in self.active]}
 
     def _join(self, source: Any, saved: dict[str, Any] | None) -> _Cursor:
-        url = source["url"] if isinstance(source, dict) else source
-        offset, ordinal = (source.get("offset", 0), source.get("ordinal")) if isinstance(source, dict) else (0, 0)
-        end = source.get("end") if isinstance(source, dict) else None
+        entry = ShardEntry.of(source)
+        url, offset, ordinal, end = entry.url, entry.offset, entry.ordinal, entry.end
         if saved is not None:
             if url != saved["url"]:
                 raise StateMismatchError(
@@ -112,8 +112,7 @@ class ActiveShards:
                 )
             offset, ordinal = saved["offset"], saved["ordinal"]
         index = ShardIndex.beside(url)  # once per shard: the readers check against it
-        if ordinal is None:  # an offset without its ordinal: the index knows it
-            ordinal = (index.ordinal_at(offset) if index is not None else None) or 0
+        offset, ordinal = start_of(entry, index, offset, ordinal)
         if saved is not None:
             same_shard(url, saved.get("shard"), index.identity if index is not None else None)
         local = local_path(url) if self.stage.local_path else None

@@ -20,6 +20,7 @@ import json
 import re
 from collections.abc import Callable, Iterator
 from functools import partial
+from operator import methodcaller
 from typing import Any
 
 from webdataset import autodecode
@@ -65,7 +66,7 @@ def _json_loads(data: bytes) -> Any:
 
 _NOT_PLAIN_UTF8 = frozenset((0x00, 0xEF, 0xFE, 0xFF))  # first bytes of NUL-led UTF-16/32 and of the BOMs
 
-_UTF8 = bytes.decode  # (data.decode("utf-8"): UTF-8 and strict are its defaults)
+_UTF8 = methodcaller("decode", "utf-8")  # (as webdataset's: a bytes subclass's own decode() is called)
 
 #: webdataset's decoder functions -> functions with the same results, without a Python frame or a detour.
 _SAME_RESULT: dict[Any, Callable[[bytes], Any]] = {
@@ -202,6 +203,7 @@ class DecodeStage(webdataset_filters.FilterFunction):
 #: A field's plan (``_SampleDecoder``): kept as it is ("__" fields: decoded if bytes, ``only`` leaves it).
 _META, _KEPT = -1, -2
 _MAX_SHAPES = 64  # samples of more shapes than this (field names vary from sample to sample): no shape plans
+_MAX_SHORT_WAY_FIELDS = 256  # wider samples take the general way (compiling a function grows faster than its lines)
 
 
 class _SampleDecoder:
@@ -225,9 +227,9 @@ class _SampleDecoder:
 
     def short_way(self, shape: tuple[Any, ...]) -> ShortWay | None:
         """The short way for a shape whose every field is planned to a direct function or to no handler at all
-        (:func:`_compile_short_way`); None for any other shape (or once many shapes were seen)."""
+        (:func:`_compile_short_way`); None for any other shape (or once many shapes were seen, or a very wide one)."""
         short_way: ShortWay | None = None
-        if len(self.shapes) < _MAX_SHAPES:
+        if len(self.shapes) < _MAX_SHAPES and len(shape) <= _MAX_SHORT_WAY_FIELDS:
             meta, fields = [], []
             for k in shape:
                 if k not in self.plans:
@@ -313,7 +315,8 @@ def _compile_short_way(
     for i, (_, function, position) in enumerate(fields):
         if function is None:
             continue  # (no handler at all for it: left as it is)
-        cells[f"d{i}"] = function
+        # (a short way's field is exactly bytes, whose own decode() this is: one call less than the methodcaller)
+        cells[f"d{i}"] = bytes.decode if function is _UTF8 else function
         body += ["try:", f"    value = d{i}(v{i})"]
         # (None or a Continue: the handler walk goes on from the next handler; json.loads gives no Continue)
         if function is _json_loads:

@@ -25,6 +25,7 @@ from wdsraft.core.fields import OFFSET_FIELD
 from wdsraft.core.state import fingerprint
 from wdsraft.index.manifest import Manifest
 from wdsraft.index.shard_index import INDEX_SUFFIX, ShardIndex
+from wdsraft.io.storage import is_s3, local_path
 from wdsraft.io.threads import map_in_threads
 from wdsraft.pipeline.shardlists import UrlList
 from wdsraft.pipeline.stage import Context, Stage
@@ -86,6 +87,14 @@ class EvalSplit(UrlList, Stage):
             self.urls, self.counts = manifest_counts(urls)
             if not self.urls:
                 raise ValueError(f"{urls}: the manifest lists no shards")
+            unchecked = [url for url in self.urls if local_path(url) is None and not is_s3(url)]
+            if unchecked:  # (no index is looked up there: every one of them would be refused as it opens)
+                more = f" (and {len(unchecked) - 1} more)" if len(unchecked) > 1 else ""
+                raise ValueError(
+                    f"{urls}: {unchecked[0]}{more} is neither local nor on S3, where the "
+                    "reader finds the index to check the manifest's count against; pass the shard URLs with "
+                    "count_unindexed=True to count such shards by reading them"
+                )
             return
         self.urls = expand_urls(urls) if isinstance(urls, str) else list(urls)
         if not self.urls:

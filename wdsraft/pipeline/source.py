@@ -20,10 +20,11 @@ from webdataset.handlers import reraise_exception
 from wdsraft.core.errors import IndexFormatError, ShardIntegrityError, StateMismatchError
 from wdsraft.core.fields import OFFSET_FIELD, ORDINAL_FIELD
 from wdsraft.core.state import describe
-from wdsraft.index.shard_index import INDEX_SUFFIX, ShardIndex, span_digest
+from wdsraft.index.shard_index import ShardIndex, span_digest
 from wdsraft.io.storage import local_path
 from wdsraft.pipeline.active import ActiveShards, same_shard
 from wdsraft.pipeline.addresses import Address
+from wdsraft.pipeline.shard_entries import ShardEntry, start_of
 from wdsraft.pipeline.stage import Context, SourceStage
 from wdsraft.tar.format import BLOCK
 from wdsraft.tar.reader import ShardSampleReader
@@ -150,11 +151,9 @@ class TarfileToSamples(SourceStage):
         live = self._live
         started = 0
         for source in src:
-            url = source["url"] if isinstance(source, dict) else source
+            entry = ShardEntry.of(source)
+            url, offset, ordinal, end = entry.url, entry.offset, entry.ordinal, entry.end
             started += 1
-            offset, ordinal = (source.get("offset", 0), source.get("ordinal")) if isinstance(source, dict) else (0, 0)
-            end = source.get("end") if isinstance(source, dict) else None  # (an eval split's bound)
-            counted = source.get("nsamples") if isinstance(source, dict) else None  # (the count it split by)
             if resume is not None and started <= resume["shards_started"]:
                 if started < resume["shards_started"]:
                     continue  # finished before the checkpoint: not even opened
@@ -167,11 +166,8 @@ class TarfileToSamples(SourceStage):
                 if resume["done"]:
                     continue
             index = ShardIndex.beside(url)  # once per shard: the readers check against it
-            if counted is not None or offset is None:  # (an eval split's entry: checked, and sought, here)
-                offset = _split_entry_offset(url, index, counted, offset, ordinal)
+            offset, ordinal = start_of(entry, index, offset, ordinal)
             identity = index.identity if index is not None else None
-            if ordinal is None:  # an offset without its ordinal: the index knows it (else 0, as before indexes)
-                ordinal = (index.ordinal_at(offset) if index is not None else None) or 0
             if resume is not None and started == resume["shards_started"]:
                 same_shard(url, resume.get("shard"), identity)
             live.update(shards_started=started, url=url, offset=offset, ordinal=ordinal, done=False, shard=identity)
@@ -328,32 +324,6 @@ class TarfileToSamples(SourceStage):
             if pending:
                 raise StateMismatchError(f"{url}: saved sample positions {sorted(pending)[:5]} not found")
         return samples
-
-
-def _split_entry_offset(
-    url: str, index: ShardIndex | None, counted: int | None, offset: int | None, ordinal: int | None
-) -> int:
-    """Where an entry that relies on the shard's index starts reading, once its count is checked:
-    ``counted`` (the split's count for the shard) must be the index's, and an ``offset`` of None is
-    the index's offset of ``ordinal``. The split was made from counts read before (a manifest, or the
-    indexes when the dataset was built): a shard that changed since would shift every range after it."""
-    if index is None:
-        raise IndexFormatError(
-            url + INDEX_SUFFIX,
-            "the split counted this shard's samples, and the shard has no readable index now to check that "
-            "count against (`wdsraft index SHARD` writes one)",
-        )
-    if counted is not None and index.num_samples != counted:
-        raise IndexFormatError(
-            url + INDEX_SUFFIX,
-            f"the split counted {counted} samples in this shard, its index has {index.num_samples}: the shard "
-            "changed since the counts were taken (a stale manifest? `wdsraft index` writes a new one)",
-        )
-    if offset is None:
-        if ordinal is None:
-            raise ValueError(f"{url}: a shard entry with no offset needs the ordinal to seek to")
-        return index.offset_of(ordinal)
-    return offset
 
 
 class _ReaderView:
