@@ -14,9 +14,12 @@ def test_the_variables_set_the_policy(monkeypatch) -> None:
     monkeypatch.setenv("WDSRAFT_READ_TIMEOUT", "12")
     monkeypatch.setenv("WDSRAFT_CONNECT_TIMEOUT", "3.5")
     assert read_policy() == RetryPolicy(retries=7, backoff=0.25, read_timeout=12, connect_timeout=3.5)
-    monkeypatch.setenv("WDSRAFT_READ_RETRIES", "many")
-    with pytest.raises(ValueError, match="WDSRAFT_READ_RETRIES='many'"):
-        read_policy()
+    bad_values = [("WDSRAFT_READ_RETRIES", "many"), ("WDSRAFT_READ_RETRIES", "2.5"), ("WDSRAFT_READ_BACKOFF", "-1")]
+    for name, bad in bad_values:
+        monkeypatch.setenv(name, bad)  # (a retry count of 2.5 is refused, not cut to 2)
+        with pytest.raises(ValueError, match=f"{name}='{bad}'"):
+            read_policy()
+        monkeypatch.setenv(name, "7" if name == "WDSRAFT_READ_RETRIES" else "0.25")
 
 
 def test_defaults_and_the_module_override(monkeypatch) -> None:

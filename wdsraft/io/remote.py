@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import io
 import logging
-import os
 import random
 import time
 from collections.abc import Callable
@@ -21,6 +20,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 from wdsraft.core.errors import RemoteAccessDeniedError, RemoteNotFoundError, RemoteReadError
+from wdsraft.io.environment import number_from_env
 
 logger = logging.getLogger(__name__)
 
@@ -43,30 +43,17 @@ class RetryPolicy:
         ``WDSRAFT_CONNECT_TIMEOUT`` where set."""
         base = cls()
         return cls(
-            retries=int(_env("WDSRAFT_READ_RETRIES", base.retries)),
-            backoff=_env("WDSRAFT_READ_BACKOFF", base.backoff),
+            retries=number_from_env("WDSRAFT_READ_RETRIES", base.retries, int, minimum=0),
+            backoff=number_from_env("WDSRAFT_READ_BACKOFF", base.backoff, float, minimum=0.0),
             backoff_max=base.backoff_max,
-            read_timeout=_env("WDSRAFT_READ_TIMEOUT", base.read_timeout),
-            connect_timeout=_env("WDSRAFT_CONNECT_TIMEOUT", base.connect_timeout),
+            read_timeout=number_from_env("WDSRAFT_READ_TIMEOUT", base.read_timeout, float, minimum=0.0),
+            connect_timeout=number_from_env("WDSRAFT_CONNECT_TIMEOUT", base.connect_timeout, float, minimum=0.0),
         )
 
     def delay(self, attempt: int) -> float:
         """Seconds to wait before retry number ``attempt`` (1-based)."""
         full = min(self.backoff * 2 ** (attempt - 1), self.backoff_max)
         return full * (0.5 + random.random() / 2)  # jitter: workers that failed together retry apart
-
-
-def _env(name: str, default: float) -> float:
-    text = os.environ.get(name)
-    if not text:
-        return default
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"{name}={text!r} is not a number") from None
-    if value < 0:
-        raise ValueError(f"{name}={text!r} is negative")
-    return value
 
 
 #: Set to a RetryPolicy to override the environment for every remote read of this process.

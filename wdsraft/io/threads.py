@@ -4,10 +4,11 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
+
+from wdsraft.io.environment import number_from_env
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -17,18 +18,9 @@ CONCURRENCY = 32
 
 
 def concurrency_from_env(variable: str) -> int:
-    """The calls at once that the environment variable ``variable`` asks for, ``CONCURRENCY`` where unset;
-    ``ValueError`` naming it where it is not a positive whole number."""
-    text = os.environ.get(variable)
-    if not text:
-        return CONCURRENCY
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError(f"{variable}={text!r} is not a whole number") from None
-    if value < 1:
-        raise ValueError(f"{variable}={text!r}: at least 1 call at once")
-    return value
+    """The calls at once that the environment variable ``variable`` asks for (a whole number from 1),
+    ``CONCURRENCY`` where unset."""
+    return number_from_env(variable, CONCURRENCY, int, minimum=1)
 
 
 def map_in_threads(

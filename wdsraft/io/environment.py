@@ -1,0 +1,29 @@
+"""Numbers that environment variables set (retry policy, concurrency), read one way: a bad value is an
+error naming the variable, never a silent guess."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import TypeVar
+
+__all__ = ["number_from_env"]
+
+N = TypeVar("N", int, float)
+
+
+def number_from_env(name: str, default: N, parse: Callable[[str], N], minimum: N) -> N:
+    """The number the environment variable ``name`` sets, ``default`` where it is unset or empty. ``parse``
+    reads it (``int``: whole numbers only, "2.5" is refused, not cut to 2); ``ValueError`` naming the variable
+    where it does not parse or is below ``minimum``."""
+    text = os.environ.get(name)
+    if not text:
+        return default
+    try:
+        value = parse(text)
+    except ValueError:
+        kind = "a whole number" if parse is int else "a number"
+        raise ValueError(f"{name}={text!r} is not {kind}") from None
+    if value < minimum:
+        raise ValueError(f"{name}={text!r} is below {minimum}")
+    return value
