@@ -11,7 +11,10 @@ import pytest
 import wdsraft as wds
 from wdsraft.cli import main
 from wdsraft.core.fields import pass_key
-from wdsraft.ledger.consumed import positions_of
+from wdsraft.index.manifest import Manifest, ManifestEntry
+from wdsraft.ledger.consumed import ConsumedSet, positions_of
+from wdsraft.ledger.identity import ShardIdentities
+from wdsraft.ledger.merged import _pack, _unpack
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -124,6 +127,24 @@ def test_merge_keeps_the_recorded_identity_of_a_shard_known_only_by_a_later_pass
     assert [c["shards"] for c in merged.commits] == [{shard: identity}]
 
 
+def test_ledger_show_identifies_a_shard_known_only_by_a_later_pass(tmp_path, capsys) -> None:
+    """``ledger show --manifest`` compares the identity recorded for a shard the ledger knows only under a
+    later pass's key (``URL#pass=1``) with the manifest's, as for any other shard: a replaced dataset differs."""
+    shard = str(tmp_path / "d" / "a.tar")
+    recorded = {"sha256": "ab" * 32, "samples": 10, "size": 100}
+    ledger = wds.Ledger(str(tmp_path / "l"), run="one", rank=0, world_size=1)
+    ledger.adopt_identities([shard], {shard: recorded})
+    ledger.record({"__url__": [shard], "__ordinal__": [3], "__pass__": [1]}, epoch=0)
+    ledger.commit(step=1)
+    manifest = Manifest([ManifestEntry("a.tar", 10, 100, "cd" * 32)], name="d")  # (another dataset)
+    manifest.save(str(tmp_path / "d" / "manifest.json"))
+    command = ["ledger", "show", str(tmp_path / "l"), "--manifest", str(tmp_path / "d" / "manifest.json"), "--shards"]
+    assert main(command) == 1
+    out = capsys.readouterr().out
+    assert "dataset: 1 of 1 shards identified" in out and f"DIFFERS from {tmp_path}" in out, out
+    assert f"{pass_key(shard, 1)}: 1 of 10 (10%) [sha256 abababababab]" in out, out
+
+
 # -- token sequences of a mixture ------------------------------------------------------------------
 
 EOT = 100257
@@ -204,3 +225,16 @@ def test_an_elastic_resume_reaches_the_datasets_inside_a_random_mix(tmp_path, so
     mode, rest, _ = _run(wds.Ledger(path, run="r2"), loader(2, 2 - workers), saved, None, 6)
     assert mode == "elastic"
     assert Counter(text for text, _ in first + rest) == Counter(f"{n}{i}" for n in "ab" for i in range(SIZES[n]))
+
+
+def test_rank_0s_checked_identities_reach_the_other_ranks_for_later_pass_keys() -> None:
+    """What rank 0 broadcasts after reading the ledger (``merged._pack``): the identities it checked of the
+    shards in the consumed set, found by shard URL also where the set knows a shard only as ``URL#pass=1``."""
+    identity = {"sha256": "ab" * 32, "samples": 10, "size": 100}
+    sent = ShardIdentities("ledger")
+    sent.checked = {"s3://b/a.tar": identity, "s3://b/other.tar": None}
+    consumed = ConsumedSet()
+    consumed.add_samples(pass_key("s3://b/a.tar", 1), [3])
+    received = ShardIdentities("ledger")
+    assert _unpack(_pack(consumed, sent), received).count() == 1
+    assert received.checked == {"s3://b/a.tar": identity}

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from wdsraft.core.errors import IndexFormatError, LedgerError
+from wdsraft.core.fields import shard_of_key
 from wdsraft.index.manifest import Manifest
 from wdsraft.index.shard_index import ShardIndex
 from wdsraft.io.storage import local_path, remove
@@ -378,9 +379,11 @@ def cmd_show(args: argparse.Namespace) -> int:
     epochs, identities = _consumed(args, view, watermark)
     sizes: dict[str, int] = {}
     if args.manifest or args.shards:  # (without a manifest: one index read per shard, once, only when shown)
-        sizes = _sizes(args.manifest, sorted({shard for consumed in epochs.values() for shard in consumed.samples}))
+        shown = {shard_of_key(key) for consumed in epochs.values() for key in consumed.samples}
+        sizes = _sizes(args.manifest, sorted(shown))
     total = sum(sizes.values()) if args.manifest else None
-    recorded = {shard for consumed in epochs.values() for shard in (*consumed.samples, *consumed.tokens)}
+    # (a mixture's later passes key a shard as URL#pass=p: its identity and size are the shard URL's)
+    recorded = {shard_of_key(key) for consumed in epochs.values() for key in (*consumed.samples, *consumed.tokens)}
     differing = _show_identities(identities, recorded, args.manifest)
     for epoch, consumed in epochs.items():
         count = consumed.count()
@@ -391,9 +394,9 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(line + (f"; {partial} documents partly delivered" if partial else ""))
         if args.shards:
             for shard, bitmap in sorted(consumed.samples.items()):
-                size = sizes.get(shard)
+                size = sizes.get(shard_of_key(shard))
                 fraction = f" of {size} ({len(bitmap) / size:.0%})" if size else ""
-                identity = identities.recorded.get(shard)
+                identity = identities.recorded.get(shard_of_key(shard))
                 sha = f" [sha256 {identity['sha256'][:12]}]" if identity and identity.get("sha256") else ""
                 print(f"  {shard}: {len(bitmap)}{fraction}{sha}")
     return 1 if differing else 0

@@ -15,6 +15,7 @@ from typing import Any
 import msgpack
 
 from wdsraft.core.errors import LedgerError, StateMismatchError
+from wdsraft.core.fields import shard_of_key
 from wdsraft.ledger.consumed import ConsumedSet
 from wdsraft.ledger.identity import Identity, ShardIdentities
 from wdsraft.ledger.rank_file import RankFile, RunSummary, counted
@@ -133,7 +134,7 @@ def shared(compute: Callable[[], ConsumedSet], identities: ShardIdentities) -> C
 
 
 def _pack(consumed: ConsumedSet, identities: ShardIdentities) -> bytes:
-    shards = {*consumed.samples, *consumed.tokens}
+    shards = {shard_of_key(key) for key in (*consumed.samples, *consumed.tokens)}  # (identities are by URL)
     return bytes(
         msgpack.packb(
             {
