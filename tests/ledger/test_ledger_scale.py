@@ -341,23 +341,32 @@ def test_reads_are_retried_then_fail_naming_the_object(tmp_path, monkeypatch) ->
 
 def test_the_ledger_concurrency_variable_sets_its_reads_and_their_connection_pool(tmp_path, monkeypatch) -> None:
     """``WDSRAFT_LEDGER_CONCURRENCY`` sets how many ledger objects a process reads at once and the pool of
-    the S3 client they share (one connection each); the shard reader's client keeps its own pool. A value
-    that is not a positive whole number is refused naming the variable."""
+    the S3 client they share (one connection each); the shard reader's client keeps its own pool. It is read
+    when the ledger first reads: a value that is not a whole number from 1 is refused then, naming the
+    variable, and does not stop ``import wdsraft``."""
     probe = (
-        "import inspect; from wdsraft.ledger import reading; from wdsraft.io.s3 import s3_reader_client\n"
+        "import wdsraft; from wdsraft.ledger import reading; from wdsraft.io.s3 import s3_reader_client\n"
         "ledger, reader = reading._client().meta.config, s3_reader_client(1.5, 2.5).meta.config\n"
-        "default = inspect.signature(reading.parallel_map).parameters['concurrency'].default\n"
-        "print(default, ledger.max_pool_connections, ledger.retries['total_max_attempts'],"
+        "print(reading.ledger_concurrency(), ledger.max_pool_connections, ledger.retries['total_max_attempts'],"
         " reader.max_pool_connections, reader.connect_timeout, reader.read_timeout)"
     )
     env = dict(os.environ, WDSRAFT_LEDGER_CONCURRENCY="5", AWS_ENDPOINT_URL="http://127.0.0.1:1")
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True).stdout
     assert out.split() == ["5", "5", "1", "32", "1.5", "2.5"]
-    from wdsraft.io.threads import CONCURRENCY, concurrency_from_env
+    env["WDSRAFT_LEDGER_CONCURRENCY"] = "0"
+    subprocess.run([sys.executable, "-c", "import wdsraft"], env=env, check=True)  # (a bad value: only the ledger)
+    from wdsraft.io.threads import CONCURRENCY
 
     monkeypatch.delenv("WDSRAFT_LEDGER_CONCURRENCY", raising=False)
-    assert concurrency_from_env("WDSRAFT_LEDGER_CONCURRENCY") == CONCURRENCY
-    for bad in ("abc", "0", "-3", "2.5"):
+    reading.ledger_concurrency.cache_clear()
+    assert reading.ledger_concurrency() == CONCURRENCY
+    for good, value in (("3.0", 3), ("1e1", 10)):
+        monkeypatch.setenv("WDSRAFT_LEDGER_CONCURRENCY", good)
+        reading.ledger_concurrency.cache_clear()
+        assert reading.ledger_concurrency() == value
+    for bad in ("abc", "0", "-3", "2.5", "nan", "inf"):
         monkeypatch.setenv("WDSRAFT_LEDGER_CONCURRENCY", bad)
+        reading.ledger_concurrency.cache_clear()
         with pytest.raises(ValueError, match=f"WDSRAFT_LEDGER_CONCURRENCY='{re.escape(bad)}'"):
-            concurrency_from_env("WDSRAFT_LEDGER_CONCURRENCY")
+            reading.ledger_concurrency()
+    reading.ledger_concurrency.cache_clear()  # (the next test reads its own environment)

@@ -38,6 +38,9 @@ def s3_client() -> Any:
 
 
 _pooled_lock = threading.Lock()
+# A fork while another thread held the lock (a DataLoader forking workers mid-read) would leave it held in the
+# child for good: its first S3 open would hang.
+os.register_at_fork(after_in_child=lambda: globals().update(_pooled_lock=threading.Lock()))
 
 
 def s3_pooled_client(pool: int, connect_timeout: float | None = None, read_timeout: float | None = None) -> Any:

@@ -8,19 +8,11 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from wdsraft.io.environment import number_from_env
-
 T = TypeVar("T")
 U = TypeVar("U")
 
 #: Calls at once, by default (S3 reads wait on the network, not on the GIL).
 CONCURRENCY = 32
-
-
-def concurrency_from_env(variable: str) -> int:
-    """The calls at once that the environment variable ``variable`` asks for (a whole number from 1),
-    ``CONCURRENCY`` where unset."""
-    return number_from_env(variable, CONCURRENCY, int, minimum=1)
 
 
 def map_in_threads(

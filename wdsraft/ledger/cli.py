@@ -7,7 +7,6 @@ import contextlib
 import json
 import logging
 import os
-from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
@@ -177,12 +176,17 @@ def _consumed(
     args: argparse.Namespace, view: LedgerView, watermark: Watermark
 ) -> tuple[dict[int, ConsumedSet], ShardIdentities]:
     """Every epoch's consumed set under the watermark, and the identities those commits recorded: from the
-    files read where every file was, else from the snapshot within the watermark plus the runs after it."""
-    if view.snapshot is None:
-        return _epochs(view.files, watermark), _identities(view.files, watermark)
+    files read where every file was, else from the snapshot within the watermark plus the runs after it (as a
+    resume merges them; what the survey read is not read again)."""
     identities = ShardIdentities(args.path)
     merged = merge_under(
-        args.path, *watermark, identities, progress="reading the ledger", known=view.files, reads=view.reads
+        args.path,
+        *watermark,
+        identities,
+        use_snapshots=view.snapshot is not None,
+        progress="reading the ledger",
+        known=view.files,
+        reads=view.reads,
     )
     return merged.epochs, identities
 
@@ -288,16 +292,6 @@ def _find_watermark(record: Any) -> dict[str, Any] | None:
     return None
 
 
-def _identities(files: list[RankFile], watermark: Watermark) -> ShardIdentities:
-    """The dataset identities the commits under the watermark recorded."""
-    identities = ShardIdentities(files[0].url.rsplit("/run-", 1)[0] if files else "ledger")
-    for rank_file in files:
-        for commit in rank_file.commits:
-            if counted(commit, rank_file.run, *watermark):
-                identities.learn(commit, rank_file.url)
-    return identities
-
-
 def _show_identities(identities: ShardIdentities, shards: set[str], manifest_url: str | None) -> int:
     """Print what the ledger recorded of the dataset, and where a manifest is given whether it is that
     dataset; returns the number of shards that differ."""
@@ -325,16 +319,6 @@ def _show_identities(identities: ShardIdentities, shards: set[str], manifest_url
     else:
         print(f"  every identified shard matches {manifest_url}")
     return differing
-
-
-def _epochs(files: list[RankFile], watermark: Watermark) -> dict[int, ConsumedSet]:
-    epochs: dict[int, ConsumedSet] = defaultdict(ConsumedSet)
-    for rank_file in files:
-        for commit in rank_file.commits:
-            if counted(commit, rank_file.run, *watermark):
-                for epoch, record in commit["epochs"].items():
-                    epochs[int(epoch)].update(ConsumedSet.from_plain(record))
-    return dict(sorted(epochs.items()))
 
 
 def _sizes(manifest_url: str | None, shards: list[str]) -> dict[str, int]:

@@ -13,15 +13,22 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple, TypeVar
 
+from wdsraft.io.environment import number_from_env
 from wdsraft.io.ranged import split_s3_url
-from wdsraft.io.s3 import list_objects, s3_pooled_client
+from wdsraft.io.s3 import list_objects, s3_client, s3_pooled_client
 from wdsraft.io.storage import local_path
-from wdsraft.io.threads import concurrency_from_env, map_in_threads
+from wdsraft.io.threads import CONCURRENCY, map_in_threads
 
 logger = logging.getLogger(__name__)
 
-#: Objects read at once per process (also the size of the S3 connection pool the reads share).
-LEDGER_CONCURRENCY = concurrency_from_env("WDSRAFT_LEDGER_CONCURRENCY")
+
+@functools.lru_cache(maxsize=1)
+def ledger_concurrency() -> int:
+    """Objects the ledger reads at once per process (also the size of the S3 connection pool the reads share):
+    ``WDSRAFT_LEDGER_CONCURRENCY``, read when the ledger first reads (a bad value stops the ledger, not every
+    ``import wdsraft``)."""
+    return number_from_env("WDSRAFT_LEDGER_CONCURRENCY", CONCURRENCY, int, minimum=1)
+
 
 #: Attempts per object for failures other than "not there" (a throttled or reset request, say).
 ATTEMPTS = 4
@@ -35,7 +42,7 @@ U = TypeVar("U")
 def _client() -> Any:
     """The S3 client the ledger's reads share: a connection per read at once, and one attempt per request
     (``read_bytes`` retries the whole GET, body included, ``ATTEMPTS`` times in all)."""
-    return s3_pooled_client(LEDGER_CONCURRENCY)
+    return s3_pooled_client(ledger_concurrency())
 
 
 def _missing(exn: BaseException) -> bool:
@@ -76,10 +83,11 @@ def read_optional(url: str) -> bytes | None:
 
 
 def parallel_map(
-    function: Callable[[U], T], urls: Iterable[U], progress: str | None = None, concurrency: int = LEDGER_CONCURRENCY
+    function: Callable[[U], T], urls: Iterable[U], progress: str | None = None, concurrency: int | None = None
 ) -> Iterator[T]:
-    """``function(url)`` of each URL, in order, ``WDSRAFT_LEDGER_CONCURRENCY`` at once (the connection pool's size)."""
-    return map_in_threads(function, urls, progress, concurrency)
+    """``function(url)`` of each URL, in order, ``concurrency`` at once (by default ``ledger_concurrency()``, the
+    connection pool's size)."""
+    return map_in_threads(function, urls, progress, concurrency or ledger_concurrency())
 
 
 def list_rank_files(path: str, runs: Iterable[str] | None = None) -> list[str]:
@@ -141,7 +149,9 @@ class RankListing:
                 digits = item.name[len("rank-") : -len(RANK_SUFFIX)]
                 if item.name.startswith("rank-") and item.name.endswith(RANK_SUFFIX) and digits.isdigit():
                     ranks[int(digits)] = item
-            self._sizes[run] = dict(zip(ranks, parallel_map(_size, ranks.values()), strict=True))
+            unknown = [item for item in ranks.values() if item.size is None]  # (local files; S3 listed them)
+            stated = dict(zip((item.url for item in unknown), parallel_map(_size, unknown), strict=True))
+            self._sizes[run] = {rank: stated.get(item.url, item.size) for rank, item in ranks.items()}  # type: ignore[misc]
         return self._sizes[run]
 
 
@@ -198,7 +208,7 @@ def list_runs(path: str) -> list[str]:
         return [n[len("run-") :] for n in names if n.startswith("run-") and os.path.isdir(os.path.join(local, n))]
     bucket, prefix = split_s3_url(path)
     base = prefix.rstrip("/") + "/" if prefix else ""
-    paginator = _client().get_paginator("list_objects_v2")
+    paginator = s3_client().get_paginator("list_objects_v2")  # (a listing: boto3's own retries, as list_objects)
     runs = []
     for page in paginator.paginate(Bucket=bucket, Prefix=base, Delimiter="/"):
         for common in page.get("CommonPrefixes", []):
