@@ -5,6 +5,8 @@ or the addition of a source continues every source, pass by pass, without repeat
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -111,16 +113,23 @@ def test_positions_of_a_later_pass_carry_the_pass() -> None:
     assert positions_of({"__url__": "s.tar", "__ordinal__": 1}) == [("s.tar", 1, None, True)]
 
 
+def _ledger_knowing_a_shard_by_a_later_pass(path: Path, shard: str) -> dict[str, Any]:
+    """A ledger with one commit: sample 3 of ``shard`` consumed in pass 1 only (keyed ``URL#pass=1``), with the
+    identity it recorded for the shard (returned)."""
+    identity = {"sha256": "ab" * 32, "samples": 10, "size": 100}
+    ledger = wds.Ledger(str(path), run="one", rank=0, world_size=1)
+    ledger.adopt_identities([shard], {shard: identity})
+    ledger.record({"__url__": [shard], "__ordinal__": [3], "__pass__": [1]}, epoch=0)
+    ledger.commit(step=1)
+    return identity
+
+
 def test_merge_keeps_the_recorded_identity_of_a_shard_known_only_by_a_later_pass(tmp_path) -> None:
     """``ledger merge`` of a ledger in which a shard appears only under a later pass's key (``URL#pass=1``):
     the merged ledger records the identity the ledger recorded for the shard, not none (here the dataset is
     gone: read now, it would give none, and a resume on a replaced dataset would go unchecked)."""
     shard = str(tmp_path / "gone" / "a.tar")
-    identity = {"sha256": "ab" * 32, "samples": 10, "size": 100}
-    ledger = wds.Ledger(str(tmp_path / "l"), run="one", rank=0, world_size=1)
-    ledger.adopt_identities([shard], {shard: identity})
-    ledger.record({"__url__": [shard], "__ordinal__": [3], "__pass__": [1]}, epoch=0)
-    ledger.commit(step=1)
+    identity = _ledger_knowing_a_shard_by_a_later_pass(tmp_path / "l", shard)
     assert main(["ledger", "merge", str(tmp_path / "l"), "--output", str(tmp_path / "m")]) == 0
     (merged,) = wds.Ledger(str(tmp_path / "m"), run="x").rank_files()
     assert [sorted(c["epochs"]["0"]["samples"]) for c in merged.commits] == [[pass_key(shard, 1)]]
@@ -131,11 +140,7 @@ def test_ledger_show_identifies_a_shard_known_only_by_a_later_pass(tmp_path, cap
     """``ledger show --manifest`` compares the identity recorded for a shard the ledger knows only under a
     later pass's key (``URL#pass=1``) with the manifest's, as for any other shard: a replaced dataset differs."""
     shard = str(tmp_path / "d" / "a.tar")
-    recorded = {"sha256": "ab" * 32, "samples": 10, "size": 100}
-    ledger = wds.Ledger(str(tmp_path / "l"), run="one", rank=0, world_size=1)
-    ledger.adopt_identities([shard], {shard: recorded})
-    ledger.record({"__url__": [shard], "__ordinal__": [3], "__pass__": [1]}, epoch=0)
-    ledger.commit(step=1)
+    _ledger_knowing_a_shard_by_a_later_pass(tmp_path / "l", shard)
     manifest = Manifest([ManifestEntry("a.tar", 10, 100, "cd" * 32)], name="d")  # (another dataset)
     manifest.save(str(tmp_path / "d" / "manifest.json"))
     command = ["ledger", "show", str(tmp_path / "l"), "--manifest", str(tmp_path / "d" / "manifest.json"), "--shards"]
