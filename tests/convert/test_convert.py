@@ -306,6 +306,13 @@ BAD_CASES = {
     "text not a string": (b'{"text": ["a", "list"]}', "is a JSON array, not a string"),
     "not an object": (b'["text", "in an array"]', "not a JSON object"),
     "lone surrogate": (b'{"text": "\\ud800"}', "lone surrogate"),
+    # JSON that Python's json reads but that would not come out as it went in
+    "NaN": (b'{"text": "a", "x": NaN}', "NaN is not JSON"),
+    "-Infinity": (b'{"text": "a", "x": [-Infinity]}', "-Infinity is not JSON"),
+    "a number too large for a float": (b'{"text": "a", "x": 1e400}', "too large for a 64-bit float"),
+    "a repeated key": (b'{"text": "first", "text": "second"}', "the key 'text' appears twice"),
+    "a repeated nested key": (b'{"text": "a", "m": {"k": 1, "k": 2}}', "the key 'k' appears twice"),
+    "an integer of 5000 digits": (b'{"text": "a", "n": ' + b"1" * 5000 + b"}", "invalid JSON (Exceeds the limit"),
 }
 
 

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Sequence
 from typing import Any
@@ -30,6 +31,32 @@ def _json_type(value: Any) -> str:
     return "null" if value is None else _JSON_TYPES.get(type(value), type(value).__name__)
 
 
+# JSON that Python's json module reads but would not hand on as it came: these records are bad records.
+def _finite_float(text: str) -> float:
+    """A JSON number with a fraction or exponent, as a float (``json.dumps`` writes it back as the float's
+    shortest form); one too large for a float would become Infinity, which is not JSON."""
+    value = float(text)
+    if math.isinf(value):
+        raise BadRecord(f"invalid JSON (the number {text[:40]} is too large for a 64-bit float)")
+    return value
+
+
+def _not_json(name: str) -> Any:
+    raise BadRecord(f"invalid JSON ({name} is not JSON: Python's json reads it, no other JSON reader does)")
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object; one naming a key twice is refused (json.loads keeps the last value silently)."""
+    record = dict(pairs)
+    if len(record) != len(pairs):  # (the common case costs one compare)
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise BadRecord(f"invalid JSON (the key {key!r} appears twice in an object)")
+            seen.add(key)
+    return record
+
+
 class SampleEncoder:
     """Checks one JSONL record and lays it out as a sample: a key and the bytes of its fields.
 
@@ -53,11 +80,13 @@ class SampleEncoder:
                 f"not valid UTF-8 ({exn.reason}: byte 0x{raw[exn.start]:02x} at column {exn.start + 1})"
             ) from None
         try:
-            record = json.loads(text)
+            record = json.loads(text, parse_float=_finite_float, parse_constant=_not_json, object_pairs_hook=_object)
         except json.JSONDecodeError as exn:
             raise BadRecord(f"invalid JSON ({exn.msg} at column {exn.colno})") from None
         except RecursionError:
             raise BadRecord("invalid JSON (nested too deeply)") from None
+        except ValueError as exn:  # (an integer of more digits than Python converts: 4300)
+            raise BadRecord(f"invalid JSON ({exn})") from None
         if not isinstance(record, dict):
             raise BadRecord(f"not a JSON object (a JSON {_json_type(record)})")
         body = record.get(self.text_field)
