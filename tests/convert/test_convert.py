@@ -400,6 +400,22 @@ def test_multi_member_gzip_and_crlf(tmp_path: Path) -> None:
     assert report.inputs[0].samples == 20 and report.inputs[0].rejected == 0
 
 
+@pytest.mark.parametrize("between", ["end", "middle"])
+def test_zero_padding_after_a_gzip_member_reads_as_pythons_gzip_reads_it(tmp_path: Path, between: str) -> None:
+    """Zeros after a member (tape-style padding) are skipped, however far they run: here past the reader's
+    64 KiB pieces, so they reach a decoder of their own. What follows them, another member, is read too.
+    Python's gzip module reads the same lines from the same file."""
+    path = tmp_path / "docs.jsonl.gz"
+    first = gzip.compress(b"".join(json.dumps(r).encode() + b"\n" for r in synthetic(10, seed=1)))
+    padding = bytes(-len(first) % (1 << 16) + (1 << 16) + 512)  # (to the next piece, over one more, and on)
+    second = gzip.compress(b"".join(json.dumps(r).encode() + b"\n" for r in synthetic(5, seed=2)))
+    path.write_bytes(first + padding + (second if between == "middle" else b""))
+    expected = len(gzip.decompress(path.read_bytes()).splitlines())
+    report = run([path], tmp_path / "out", on_bad_record="skip")
+    assert expected == (15 if between == "middle" else 10)
+    assert (report.inputs[0].lines, report.inputs[0].samples, report.inputs[0].rejected) == (expected, expected, 0)
+
+
 # ---------------------------------------------------------------------------------------------
 # resume, re-runs, the command line
 

@@ -36,6 +36,7 @@ class _Decoder:
         self.kind = kind
         self._decoder = decompressor(kind)
         self._open = False  # fed bytes of a member/frame not yet ended
+        self._member_ended = False  # a member/frame ended, and no byte of another came since
 
     # A failing decompress() call loses what it decoded. Members/frames that ended before the damage
     # are kept for every format; where the decoder can be copied (gzip), the failing piece is re-fed
@@ -48,12 +49,12 @@ class _Decoder:
         for start in range(0, len(data), self.PIECE):
             piece = data[start : start + self.PIECE]
             copy = getattr(self._decoder, "copy", None)
-            before = (copy(), self._open, len(out)) if copy is not None else None
+            before = (copy(), self._open, self._member_ended, len(out)) if copy is not None else None
             try:
                 self._feed(piece, out)
             except _StreamDamaged as exn:
                 if before is not None:
-                    self._decoder, self._open, kept = before
+                    self._decoder, self._open, self._member_ended, kept = before
                     del out[kept:]
                     with contextlib.suppress(_StreamDamaged):
                         for offset in range(len(piece)):
@@ -63,16 +64,18 @@ class _Decoder:
 
     def _feed(self, data: bytes, out: list[bytes]) -> None:
         try:
+            if self._member_ended:  # (zero padding after a member may run on over the next pieces)
+                data = data.lstrip(b"\0")
             while data:
-                self._open = True
+                self._open, self._member_ended = True, False
                 out.append(self._decoder.decompress(data))
                 if not self._decoder.eof:
                     break
-                data = self._decoder.unused_data
+                # Zero padding after a member (tape-style gzip) is skipped, as Python's gzip skips it, and so
+                # is what follows it: more padding, or the next member.
+                data = self._decoder.unused_data.lstrip(b"\0")
                 self._decoder = decompressor(self.kind)
-                self._open = False
-                if not data.strip(b"\0"):  # zero padding after the last member (tape-style gzip)
-                    break
+                self._open, self._member_ended = False, True
         except (zlib.error, zstandard.ZstdError, OSError, EOFError, lzma.LZMAError, ValueError) as exn:
             raise _StreamDamaged(f"corrupt {self.kind} data ({exn})") from None
 
