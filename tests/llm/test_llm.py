@@ -276,6 +276,34 @@ def test_restore_at_every_step(urls, cl100k, stage) -> None:
         assert resume(make, states[k], ("msgpack", "json", "torch")[k % 3], seed=k) == stream[k:], k
 
 
+def _plain(sample):
+    return sample
+
+
+@pytest.mark.parametrize("in_flight", [False, True], ids=["", "parallel_map"])
+@pytest.mark.parametrize("stage", ["concat_chunk", "pack_bestfit", "pad"])
+def test_a_state_taken_one_step_after_a_restore_resumes_exactly(urls, cl100k, stage, in_flight) -> None:
+    """Restored, the sequence stages hand out what they held before the stages upstream of them first run: a
+    state taken then (a checkpoint one step after a resume) must still hold what those stages were given (the
+    shuffle's buffer, a parallel_map's items in flight), or the next resume loses them."""
+
+    def make():
+        pipeline = wds.WebDataset(urls, shardshuffle=3, seed=1).shuffle(7, seed=2)
+        if in_flight:
+            pipeline = pipeline.parallel_map(_plain, max_workers=2)
+        pipeline = pipeline.tokenize(cl100k, batch_size=4).ensure_bos_eos(cl100k)
+        sized = pipeline.pack_bestfit(LENGTH, buffer=6) if stage == "pack_bestfit" else getattr(pipeline, stage)(LENGTH)
+        return sized.batched(3)
+
+    stream, states = states_along(make)
+    assert len(stream) > 5
+    for k in range(len(states) - 1):
+        restored = make()
+        restored.load_state_dict(roundtrip(states[k], "json"))
+        assert identity(next(iter(restored))) == stream[k], k
+        assert resume(make, restored.state_dict(), "json", seed=k) == stream[k + 1 :], k
+
+
 @pytest.mark.parametrize("stage", ["concat_chunk", "chunk", "chunk_keep", "pack_bestfit", "pad"])
 def test_restore_inside_a_long_last_document(tmp_path, corpus_records, cl100k, stage) -> None:
     """The input's last document spans several sequences, so a state taken inside it holds a full

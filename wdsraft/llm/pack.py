@@ -53,16 +53,18 @@ class PackBestFit(_SequenceStage):
 
     def run(self, ctx: Context, src: Iterator[Any] | None, state: dict[str, Any] | None) -> Iterator[Any]:
         assert src is not None
+        # Adopted now, not when the generator first runs: a state taken before then (the stages after this one
+        # hand out what they restored first) must hold these pieces. Their tokens are read when needed.
         self._saved = state
-        self._held = []
-        self._ready = []
+        self._held, self._ready = [], []
+        if state is not None:
+            pieces = iter(self._restore(ctx, state["ready"], unread=True))
+            self._ready = [[next(pieces) for _ in range(size)] for size in state["ready_sizes"]]
+            self._held = self._restore(ctx, state["held"], unread=True)
         return self._run(ctx, src)
 
     def _run(self, ctx: Context, src: Iterator[Any]) -> Iterator[Any]:
         if self._saved is not None:
-            pieces = iter(self._restore(ctx, self._saved["ready"], unread=True))
-            self._ready.extend([next(pieces) for _ in range(size)] for size in self._saved["ready_sizes"])
-            self._held.extend(self._restore(ctx, self._saved["held"], unread=True))
             yield from self._hand_out(ctx)
         tracker = AddressTracker(ctx)
         n = self.length

@@ -208,8 +208,10 @@ class _SequenceStage(Stage):
 
     def run(self, ctx: Context, src: Iterator[Any] | None, state: dict[str, Any] | None) -> Iterator[Any]:
         assert src is not None
-        self._saved = state  # adopted by _run, which re-reads the held documents on its first step
-        self._held = []
+        # Adopted now, not when the generator first runs: a state taken before then (the stages after this one
+        # hand out what they restored first) must hold these pieces. ``_run`` reads their tokens first thing.
+        self._saved = state
+        self._held = self._restore(ctx, state, unread=True) if state is not None else []
         return self._run(ctx, src)
 
     def _run(self, ctx: Context, src: Iterator[Any]) -> Iterator[Any]:

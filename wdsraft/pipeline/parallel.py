@@ -54,6 +54,7 @@ class parallel_filter_map(Curried, Stage):
         self.executor = executor
         self.mp_context = mp_context
         self._in_flight: deque[tuple[Address | None, Any, Future[Any]]] = deque()  # (address, item, result)
+        self._restored: list[Address] = []  # in flight at the save, until the generator re-reads them
         #: Whether it dropped an item in this pass (between a split and a buffer, the pass then refuses states).
         self.dropped = False
 
@@ -61,7 +62,7 @@ class parallel_filter_map(Curried, Stage):
         return {"fn": describe(self.fn)}
 
     def state_dict(self) -> dict[str, Any]:
-        addresses = [address for address, _, _ in self._in_flight]
+        addresses = self._restored + [address for address, _, _ in self._in_flight]
         if None in addresses:
             return unresumable_state(
                 f"cannot save stage {self.index} ({type(self).__name__}): items in flight have no position in "
@@ -70,7 +71,7 @@ class parallel_filter_map(Curried, Stage):
         return {"in_flight": pack_addresses(addresses)}  # type: ignore[arg-type]
 
     def addresses(self) -> list[Address]:
-        return [address for address, _, _ in self._in_flight if address is not None]
+        return self._restored + [address for address, _, _ in self._in_flight if address is not None]
 
     def replay(self, src: Iterator[Any]) -> Iterator[Any]:
         for item in src:
@@ -82,8 +83,10 @@ class parallel_filter_map(Curried, Stage):
         assert src is not None
         self._in_flight = deque()
         self.dropped = False
-        restored = unpack_addresses(state["in_flight"]) if state else []
-        return self._results(ctx, src, restored)
+        # Adopted now, not when the generator first runs (a state taken before then must hold them): the items
+        # in flight at the save wait here until the generator re-reads them.
+        self._restored = unpack_addresses(state["in_flight"]) if state else []
+        return self._results(ctx, src)
 
     def _pool(self) -> Executor:
         if self.executor == "thread":
@@ -96,11 +99,12 @@ class parallel_filter_map(Curried, Stage):
             )
         return ProcessPoolExecutor(self.max_workers, mp_context=self.mp_context)
 
-    def _results(self, ctx: Context, src: Iterator[Any], restored: list[Address]) -> Iterator[Any]:
+    def _results(self, ctx: Context, src: Iterator[Any]) -> Iterator[Any]:
         in_flight = self._in_flight
         limit = self.max_workers * self.prefetch_factor
         pool = self._pool()
         try:
+            restored, self._restored = self._restored, []
             if restored:  # the items in flight at the save, re-read, go first
                 for saved, item in zip(restored, ctx.rematerializers[self.index](restored), strict=True):
                     in_flight.append((saved, item, pool.submit(self.fn, item)))

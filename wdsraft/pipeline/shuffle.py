@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 from wdsraft.core.distributed import worker_info
 from wdsraft.core.state import describe, make_seed, pack_rng, unpack_rng
@@ -112,19 +112,15 @@ class shuffle(Curried, Stage):
             rng = self._epoch_rng(ctx)
         self._start_rng = pack_rng(rng)
         self._rng = rng
-        self._addresses = []
+        # (the restored buffer's addresses too: its items are re-read when the generator first runs)
+        self._addresses = list(unpack_addresses(state["buffer"])) if state is not None and state.get("buffer") else []
         self._exhausted = bool(state and state.get("exhausted"))
-        return self._shuffle(ctx, src, state, rng)
+        return self._shuffle(ctx, src, rng)
 
-    def _shuffle(
-        self, ctx: Context, src: Iterator[Any], state: dict[str, Any] | None, rng: random.Random
-    ) -> Iterator[Any]:
-        buf: list[Any] = []
+    def _shuffle(self, ctx: Context, src: Iterator[Any], rng: random.Random) -> Iterator[Any]:
         addresses = self._addresses
-        if state is not None and state.get("buffer"):
-            restored = unpack_addresses(state["buffer"])
-            buf.extend(ctx.rematerializers[self.index](restored) if restored else [])
-            addresses.extend(restored)
+        restored = cast(list[Address], list(addresses))  # (only restored ones yet: each has its position)
+        buf: list[Any] = ctx.rematerializers[self.index](restored) if restored else []
         tracker = AddressTracker(ctx)
         initial = min(self.initial, self.bufsize)
         src = iter(src)
