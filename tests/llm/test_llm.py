@@ -815,6 +815,53 @@ def test_own_tokenizer_adapter(urls) -> None:
         wds.llm.TokenizerAdapter().encode_batch(["x"])
 
 
+class _Words(wds.llm.TokenizerAdapter):
+    """An adapter of one's own without a name or a digest: one id per word, offset by ``base``."""
+
+    def __init__(self, base: int = 0):
+        self.base = base
+
+    def encode_batch(self, texts):
+        return [np.arange(len(t.split()), dtype=np.uint32) + self.base for t in texts]
+
+
+class _OtherWords(_Words):
+    pass
+
+
+def test_own_adapters_of_other_classes_do_not_pass_for_each_other(urls, caplog) -> None:
+    """A state names the adapter by its class where it sets no name: restored under another adapter class, it
+    is refused. An adapter without a digest is warned about once: under the same class, another model would
+    not be told apart."""
+
+    def make(tokenizer):
+        return wds.WebDataset(urls, shardshuffle=False).tokenize(tokenizer, batch_size=4).concat_chunk(LENGTH)
+
+    with caplog.at_level("WARNING", logger="wdsraft.llm.tokenizers"):
+        assert _Words().identity == f"{__name__}._Words"
+    assert "gives no digest" in caplog.text
+    pipeline = make(_Words())
+    stream = iter(pipeline)
+    next(stream)
+    state = pipeline.state_dict()
+    other = make(_OtherWords(base=5))
+    other.load_state_dict(state)
+    with pytest.raises(wds.StateMismatchError, match="tokenizer"):
+        next(iter(other))
+    again = make(_Words())  # (the same adapter class: accepted, as the warning says)
+    again.load_state_dict(state)
+    next(iter(again))
+
+
+def test_an_object_with_encode_batch_that_is_no_tokenizers_tokenizer_is_refused_at_once() -> None:
+    class Encoder:
+        def encode_batch(self, texts):
+            return [[1] for _ in texts]
+
+    with pytest.raises(TypeError, match=r"unsupported tokenizer Encoder: .*TokenizerAdapter"):
+        wds.as_tokenizer(Encoder())
+
+
 def test_tokenize_keeps_batches_queued_while_it_hands_one_out(urls) -> None:
     class Recording(wds.llm.TokenizerAdapter):
         name = "recording"

@@ -51,7 +51,8 @@ class TokenizerAdapter:
     bos_id: int | None = None
     eos_id: int | None = None
     pad_id: int | None = None
-    name = "?"
+    #: How a state names the tokenizer (by default the adapter's class: two classes never pass for each other).
+    name: str | None = None
 
     @property
     def identity(self) -> str:
@@ -60,11 +61,20 @@ class TokenizerAdapter:
         Computed once per adapter: a forked or spawned worker inherits it."""
         identity = self.__dict__.get("_identity")
         if identity is None:
+            name = self.name or f"{type(self).__module__}.{type(self).__qualname__}"
             digest = self._digest()
-            identity = self._identity = f"{self.name}:{digest}" if digest else self.name
+            if digest is None:
+                logger.warning(
+                    "tokenize: the tokenizer adapter %s gives no digest of its vocabulary (_digest): a resume with "
+                    "another model behind the same adapter class would not be refused",
+                    name,
+                )
+            identity = self._identity = f"{name}:{digest}" if digest else name
         return identity
 
     def _digest(self) -> str | None:
+        """A digest of what decides the ids (vocabulary, merges, normalization): override it in an adapter of
+        your own, so that a state is refused under another model."""
         return None
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
@@ -262,10 +272,6 @@ def _private_backend(backend: Any, match_special_tokens: bool | None) -> Any:
     made on the caller's object later (transformers sets ``encode_special_tokens`` on every call, truncation
     and padding on calls that ask for them) do not reach it. Truncation and padding are off in it (a
     document is encoded whole), and special-token text is matched or not as asked."""
-    if not hasattr(backend, "to_str"):  # (another object with ``encode_batch``: used as it is)
-        if match_special_tokens is not None:
-            raise ValueError(f"match_special_tokens needs a tokenizers.Tokenizer, not {type(backend).__name__}")
-        return backend
     from tokenizers import Tokenizer
 
     private = Tokenizer.from_str(backend.to_str())  # (about 0.5 s and 20 MB for cl100k_base)
@@ -293,9 +299,10 @@ def as_tokenizer(
         return tokenizer
     if _is_tiktoken(tokenizer):
         return TiktokenTokenizer(tokenizer, num_threads, match_special_tokens)
-    if hasattr(tokenizer, "encode_batch") or hasattr(tokenizer, "backend_tokenizer"):
+    backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+    if hasattr(backend, "encode_batch") and hasattr(backend, "to_str"):  # (a tokenizers.Tokenizer, or one inside)
         return HFTokenizer(tokenizer, num_threads, match_special_tokens)
     raise TypeError(
         f"unsupported tokenizer {type(tokenizer).__name__}: pass a tiktoken Encoding, a tokenizers.Tokenizer "
-        "or a transformers PreTrainedTokenizerFast"
+        "or a transformers PreTrainedTokenizerFast (or your own wds.llm.TokenizerAdapter)"
     )
