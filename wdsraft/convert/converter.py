@@ -116,6 +116,25 @@ class Converter:
                 + "; ".join(differences)
                 + "): pass another --workdir, or remove it to start over"
             )
+        self._check_unchanged(plan, inputs)
+
+    def _check_unchanged(self, plan: Plan, inputs: list[InputFile]) -> None:
+        """Refuse inputs changed in place since they were planned (same URL and size, another
+        modification time or ETag): what was scattered from them, and the duplicates found in it, would
+        be used as if it were theirs."""
+        planned = {item.url: item.version for item in plan.inputs}
+        changed = [
+            item.url
+            for item in inputs
+            if item.version is not None and planned.get(item.url) not in (None, item.version)
+        ]
+        if changed:
+            more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
+            raise ConvertError(
+                f"{changed[0]}{more} changed since the work directory {self.workdir.root} was planned (another "
+                "modification time or ETag): what was read from it there is stale. Remove the work directory "
+                "(or pass another --workdir) and rerun"
+            )
 
     def _manifest_url(self) -> str:
         return f"{self.options.output}/{MANIFEST_NAME}"
@@ -317,7 +336,7 @@ class Converter:
                 write_bytes_atomic(self.workdir.duplicate_rejects, duplicates.rejects(plan))
             duplicates.save(self.workdir.duplicates)
         if len(duplicates.rows) and self.options.on_bad_record == "error":
-            raise duplicates.error(plan)
+            raise duplicates.error(plan, self.workdir.root)
         return duplicates
 
     def _my_buckets(self, plan: Plan) -> list[int]:

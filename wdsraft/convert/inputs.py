@@ -19,7 +19,7 @@ import zstandard
 
 from wdsraft.convert.keys import tar_safe_key
 from wdsraft.convert.options import ConvertError
-from wdsraft.io.s3 import list_objects, s3_client
+from wdsraft.io.s3 import s3_client
 from wdsraft.io.storage import is_s3, local_path
 
 # Assumed expansion of compressed inputs whose uncompressed size their header does not tell.
@@ -58,13 +58,23 @@ class InputFile:
     size: int
     compression: str | None = None
     name: str = ""  # tar-safe name used in sample keys and shuffle keys; unique among the inputs
+    # What tells a changed file from the planned one at the same size: the modification time in ns of a
+    # local file, the ETag of an S3 object; None where unknown (a plan written before it was recorded).
+    # Not part of the fingerprint: the output depends on the contents only.
+    version: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"url": self.url, "size": self.size, "compression": self.compression, "name": self.name}
+        return {
+            "url": self.url,
+            "size": self.size,
+            "compression": self.compression,
+            "name": self.name,
+            "version": self.version,
+        }
 
     @classmethod
     def from_dict(cls, record: dict[str, Any]) -> InputFile:
-        return cls(record["url"], record["size"], record.get("compression"), record["name"])
+        return cls(record["url"], record["size"], record.get("compression"), record["name"], record.get("version"))
 
     def estimated_bytes(self) -> int:
         """Uncompressed size: exact for plain files; from the gzip trailer or zstd frame header of local
@@ -91,33 +101,52 @@ class InputFile:
         return guess
 
 
-def _list_s3(url: str) -> list[tuple[str, int]]:
+Found = tuple[str, int, str]  # (url, stored size, version: see InputFile.version)
+
+
+def _list_s3(url: str) -> list[Found]:
     """Objects under an ``s3://bucket/prefix`` (a glob in the key is matched against the listing)."""
     parsed = urlparse(url)
     key = parsed.path.lstrip("/")
     magic = re.search(r"[*?\[]", key)
     prefix = key[: magic.start()] if magic else key
-    return [
-        (item.url, item.size)
-        for item in list_objects(f"s3://{parsed.netloc}/{prefix}")
-        if (fnmatchcase(item.key, key) if magic is not None else _looks_like_input(item.key))
-    ]
+    pages = s3_client().get_paginator("list_objects_v2").paginate(Bucket=parsed.netloc, Prefix=prefix)
+    return sorted(
+        (f"s3://{parsed.netloc}/{item['Key']}", int(item["Size"]), str(item.get("ETag", "")))
+        for page in pages
+        for item in page.get("Contents", [])
+        if (fnmatchcase(item["Key"], key) if magic is not None else _looks_like_input(item["Key"]))
+    )
 
 
-def _s3_size(url: str) -> int:
+def _s3_object(url: str) -> Found:
     parsed = urlparse(url)
     try:
         head = s3_client().head_object(Bucket=parsed.netloc, Key=parsed.path.lstrip("/"))
     except Exception as exn:
         raise ConvertError(f"input not found or not readable: {url} ({exn})") from None
-    return int(head["ContentLength"])
+    return url, int(head["ContentLength"]), str(head.get("ETag", ""))
+
+
+def _local_file(url: str, path: str) -> Found:
+    stat = os.stat(path)
+    return url, stat.st_size, str(stat.st_mtime_ns)
+
+
+def local_version(url: str) -> str | None:
+    """The version (modification time) of a local input now; None for an S3 input or a missing file."""
+    path = local_path(url)
+    try:
+        return None if path is None else _local_file(url, path)[2]
+    except FileNotFoundError:
+        return None
 
 
 def expand_inputs(specs: Sequence[str]) -> list[InputFile]:
     """Input files from paths, globs, brace patterns, directories, ``s3://`` keys, globs and prefixes
     (ending in ``/``). Directories and prefixes contribute their ``.jsonl``/``.ndjson``/``.json``
     files, plain or compressed. Each pattern's matches are sorted; the order of patterns is kept."""
-    found: list[tuple[str, int]] = []
+    found: list[Found] = []
     for spec in specs:
         for item in braceexpand.braceexpand(spec):
             if is_s3(item):
@@ -127,7 +156,7 @@ def expand_inputs(specs: Sequence[str]) -> list[InputFile]:
                         raise ConvertError(f"no input matches {item}")
                     found.extend(matches)
                 else:
-                    found.append((item, _s3_size(item)))
+                    found.append(_s3_object(item))
             elif urlparse(item).scheme not in ("", "file"):
                 raise ConvertError(f"unsupported input URL {item} (local paths and s3:// only)")
             else:
@@ -136,25 +165,25 @@ def expand_inputs(specs: Sequence[str]) -> list[InputFile]:
                     names = sorted(p for p in glob.glob(os.path.join(path, "*")) if _looks_like_input(p))
                     if not names:
                         raise ConvertError(f"no .jsonl files in directory {item}")
-                    found.extend((name, os.path.getsize(name)) for name in names)
+                    found.extend(_local_file(name, name) for name in names)
                 elif glob.has_magic(path):
                     names = sorted(p for p in glob.glob(path) if os.path.isfile(p))
                     if not names:
                         raise ConvertError(f"no input matches {item}")
-                    found.extend((name, os.path.getsize(name)) for name in names)
+                    found.extend(_local_file(name, name) for name in names)
                 else:
                     if not os.path.isfile(path):
                         raise ConvertError(f"input not found: {item}")
-                    found.append((item, os.path.getsize(path)))
+                    found.append(_local_file(item, path))
     seen: dict[str, str] = {}
-    for url, _ in found:
+    for url, _, _ in found:
         # The same file spelled two ways (./a, a, /abs/a, file://...) would be converted twice.
         identity = url if is_s3(url) else os.path.realpath(local_path(url) or url)
         if identity in seen:
             twice = url if seen[identity] == url else f"{url} (the same file as {seen[identity]})"
             raise ConvertError(f"input given twice: {twice}")
         seen[identity] = url
-    inputs = [InputFile(url, size, _split_suffixes(url)[1]) for url, size in found]
+    inputs = [InputFile(url, size, _split_suffixes(url)[1], "", version) for url, size, version in found]
     _name_inputs(inputs)
     return inputs
 
