@@ -4,6 +4,7 @@ scattered (its stored size read differs from the planned one)."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 from pathlib import Path
@@ -94,3 +95,42 @@ def test_an_s3_object_rewritten_at_the_same_size_is_refused(tmp_path: Path, s3_b
     for spec in (url, f"s3://{s3_bucket}/raw/"):
         with pytest.raises(ConvertError, match=f"{url} changed since the work directory"):
             convert(_options([spec], out, work, on_bad_record="skip"))
+
+
+
+@pytest.mark.parametrize("change", ["appended", "cut", "rewritten", "gzip-member-added"])
+def test_an_input_changed_between_planning_and_scattering_is_refused(tmp_path, monkeypatch, change: str) -> None:
+    from wdsraft.convert import converter, inputs
+
+    records = [{"id": n, "text": f"t{n}"} for n in range(50)]
+    source = _write(tmp_path / "in" / "a.jsonl", records)
+    if change == "gzip-member-added":
+        source = tmp_path / "in" / "a.jsonl.gz"
+        source.write_bytes(gzip.compress((tmp_path / "in" / "a.jsonl").read_bytes()))
+
+    def listed_then_changed(specs: list[str]) -> list[inputs.InputFile]:
+        """The input changes just after it is listed, sized and planned (another writer at work)."""
+        found = inputs.expand_inputs(specs)
+        data, planned = source.read_bytes(), source.stat()
+        if change == "appended":
+            source.write_bytes(data + b'{"id": 50, "text": "late"}\n')
+        elif change == "cut":
+            source.write_bytes(data[: data.rindex(b"{")])
+        elif change == "rewritten":
+            source.write_bytes(data.replace(b'"t7"', b'"T7"'))
+            _touch_later(source)
+        else:
+            source.write_bytes(data + gzip.compress(b'{"id": 50, "text": "late"}\n'))
+        if change != "rewritten":  # (times kept, as cp -p or rsync -t keep them: only the size tells)
+            os.utime(source, ns=(planned.st_atime_ns, planned.st_mtime_ns))
+        return found
+
+    monkeypatch.setattr(converter, "expand_inputs", listed_then_changed)
+    out, work = tmp_path / "out", tmp_path / "work"
+    with pytest.raises(ConvertError) as error:
+        convert(_options([str(source)], out, work))
+    message = str(error.value)
+    assert message.startswith(f"{source}: the input changed since the conversion was planned")
+    assert ("modification time" if change == "rewritten" else "bytes read") in message
+    assert f"remove the work directory {work}" in message
+    assert not list(work.glob("scatter/*.done")) and not (out / "manifest.json").exists()
