@@ -104,25 +104,66 @@ class InputFile:
 Found = tuple[str, int, str]  # (url, stored size, version: see InputFile.version)
 
 
-def _list_s3(url: str) -> list[Found]:
-    """Objects under an ``s3://bucket/prefix`` (a glob in the key is matched against the listing)."""
-    parsed = urlparse(url)
-    key = parsed.path.lstrip("/")
-    magic = re.search(r"[*?\[]", key)
-    prefix = key[: magic.start()] if magic else key
-    pages = s3_client().get_paginator("list_objects_v2").paginate(Bucket=parsed.netloc, Prefix=prefix)
-    return sorted(
-        (f"s3://{parsed.netloc}/{item['Key']}", int(item["Size"]), str(item.get("ETag", "")))
-        for page in pages
-        for item in page.get("Contents", [])
-        if (fnmatchcase(item["Key"], key) if magic is not None else _looks_like_input(item["Key"]))
+def _hidden(part: str) -> bool:
+    return part.startswith(".")
+
+
+def _glob_match(key: str, pattern: str) -> bool:
+    """Whether an S3 key matches a glob as a local path would: component by component (``*``, ``?`` and
+    ``[...]`` never match ``/``), and a wildcard never matches a leading dot (hidden names)."""
+    parts, patterns = key.split("/"), pattern.split("/")
+    return len(parts) == len(patterns) and all(
+        fnmatchcase(part, wanted) and (not _hidden(part) or _hidden(wanted))
+        for part, wanted in zip(parts, patterns, strict=True)
     )
 
 
+def _list_s3(url: str) -> list[Found]:
+    """Objects matching an ``s3://bucket/glob``, or the input files at any depth under an
+    ``s3://bucket/prefix/`` but in hidden "directories" (as for a local directory)."""
+    bucket, key = _split_s3(url)
+    magic = re.search(r"[*?\[]", key)
+    prefix = key[: magic.start()] if magic else key
+
+    def wanted(name: str) -> bool:
+        if magic is not None:
+            return _glob_match(name, key)
+        return _looks_like_input(name) and not any(_hidden(part) for part in name[len(prefix) :].split("/"))
+
+    pages = s3_client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+    return sorted(
+        (f"s3://{bucket}/{item['Key']}", int(item["Size"]), str(item.get("ETag", "")))
+        for page in pages
+        for item in page.get("Contents", [])
+        if wanted(item["Key"])
+    )
+
+
+def _walk_local(directory: str) -> list[str]:
+    """The input files at any depth under a local directory (as under an S3 prefix), but in hidden
+    directories and hidden files; directory links are followed, each directory once."""
+    found, seen = [], set()
+    for root, directories, files in os.walk(directory, followlinks=True):
+        real = os.path.realpath(root)
+        if real in seen:  # (a link back up the tree)
+            directories.clear()
+            continue
+        seen.add(real)
+        directories[:] = [name for name in directories if not _hidden(name)]
+        found.extend(os.path.join(root, name) for name in files if not _hidden(name) and _looks_like_input(name))
+    return sorted(found)
+
+
+def _split_s3(url: str) -> tuple[str, str]:
+    """Bucket and key of an ``s3://`` URL, verbatim: a URL parser would take a glob's ``?`` for a query."""
+    bucket, _, key = url[len("s3://") :].partition("/")
+    return bucket, key.lstrip("/")
+
+
 def _s3_object(url: str) -> Found:
-    parsed = urlparse(url)
+    bucket, key = _split_s3(url)
     try:
-        head = s3_client().head_object(Bucket=parsed.netloc, Key=parsed.path.lstrip("/"))
+        head = s3_client().head_object(Bucket=bucket, Key=key)
     except Exception as exn:
         raise ConvertError(f"input not found or not readable: {url} ({exn})") from None
     return url, int(head["ContentLength"]), str(head.get("ETag", ""))
@@ -145,7 +186,9 @@ def local_version(url: str) -> str | None:
 def expand_inputs(specs: Sequence[str]) -> list[InputFile]:
     """Input files from paths, globs, brace patterns, directories, ``s3://`` keys, globs and prefixes
     (ending in ``/``). Directories and prefixes contribute their ``.jsonl``/``.ndjson``/``.json``
-    files, plain or compressed. Each pattern's matches are sorted; the order of patterns is kept."""
+    files, plain or compressed, at any depth; a glob's wildcards match within one path component, on
+    S3 as locally. Hidden names are left out of both. Each pattern's matches are sorted; the order of
+    patterns is kept."""
     found: list[Found] = []
     for spec in specs:
         for item in braceexpand.braceexpand(spec):
@@ -162,9 +205,9 @@ def expand_inputs(specs: Sequence[str]) -> list[InputFile]:
             else:
                 path = local_path(item) or item
                 if os.path.isdir(path):
-                    names = sorted(p for p in glob.glob(os.path.join(path, "*")) if _looks_like_input(p))
+                    names = _walk_local(path)
                     if not names:
-                        raise ConvertError(f"no .jsonl files in directory {item}")
+                        raise ConvertError(f"no .jsonl files in or under directory {item}")
                     found.extend(_local_file(name, name) for name in names)
                 elif glob.has_magic(path):
                     names = sorted(p for p in glob.glob(path) if os.path.isfile(p))
