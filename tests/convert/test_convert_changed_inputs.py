@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -93,9 +94,8 @@ def test_an_s3_object_rewritten_at_the_same_size_is_refused(tmp_path: Path, s3_b
     lines[1]["id"] = 2
     client.put_object(Bucket=s3_bucket, Key="raw/a.jsonl", Body=_write(tmp_path / "a.jsonl", lines).read_bytes())
     for spec in (url, f"s3://{s3_bucket}/raw/"):
-        with pytest.raises(ConvertError, match=f"{url} changed since the work directory"):
+        with pytest.raises(ConvertError, match=re.escape(f"{url} changed since the work directory")):
             convert(_options([spec], out, work, on_bad_record="skip"))
-
 
 
 @pytest.mark.parametrize("change", ["appended", "cut", "rewritten", "gzip-member-added"])

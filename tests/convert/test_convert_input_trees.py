@@ -74,7 +74,7 @@ def test_the_same_tree_gives_the_same_input_names(trees) -> None:
 def test_a_directory_with_input_files_only_in_hidden_places_is_refused(tmp_path: Path) -> None:
     (tmp_path / "d" / ".cache").mkdir(parents=True)
     (tmp_path / "d" / ".cache" / "a.jsonl").write_text('{"text": "a"}\n')
-    with pytest.raises(ConvertError, match="no .jsonl files in or under directory"):
+    with pytest.raises(ConvertError, match=r"no \.jsonl files in or under directory"):
         expand_inputs([str(tmp_path / "d")])
 
 

@@ -278,7 +278,6 @@ class ScatterJob:
         emit(UNIT_DONE, unit=self.unit)
         return done
 
-
     def _check_unchanged(self, stored: int | None) -> None:
         """Refuse an input changed since it was planned: read to its end (``stored`` bytes) at another size
         than planned, or (local) with another modification time. Its records would not be the planned
