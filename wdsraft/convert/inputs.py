@@ -142,7 +142,8 @@ def _list_s3(url: str) -> list[Found]:
 def _walk_local(directory: str) -> list[str]:
     """The input files at any depth under a local directory (as under an S3 prefix), but in hidden
     directories and hidden files; directory links are followed, each directory once."""
-    found, seen = [], set()
+    found: list[str] = []
+    seen: set[str] = set()
     for root, directories, files in os.walk(directory, followlinks=True):
         real = os.path.realpath(root)
         if real in seen:  # (a link back up the tree)
