@@ -94,8 +94,16 @@ class Converter:
         buckets = options.buckets or choose_buckets(inputs, options.memory, options.workers, options.task_count)
         plan = Plan(inputs, options.output, settings, buckets)
         os.makedirs(self.workdir.root, exist_ok=True)
-        # Tasks of an array may race here: they all compute the same plan, and the write is atomic.
-        write_bytes_atomic(self.workdir.plan, plan.to_json())
+        if not self.workdir.create_plan(plan.to_json()):
+            # Another task of the array planned first (its --workers or --memory may give another bucket
+            # count): every task must work from one plan, the one on disk.
+            existing = WorkDir.read_json(self.workdir.plan)
+            if existing is None:  # (and removed since: that conversion finished, or was cleared)
+                raise ConvertError(f"{self.workdir.plan}: another task's plan came and went: rerun")
+            plan = Plan.from_json(json.dumps(existing).encode(), self.workdir.plan)
+            self._check_same(plan, inputs, settings)
+            logger.info("plan: using the plan another task wrote first in %s", self.workdir.root)
+            return plan
         logger.info("plan: %d inputs, %d buckets, workdir %s", len(inputs), buckets, self.workdir.root)
         return plan
 
@@ -303,6 +311,12 @@ class Converter:
             done = WorkDir.read_json(self.workdir.unit_done(unit))
             if done is None:
                 raise ConvertError(f"the scatter phase has not finished: {self._missing_units(plan)}")
+            if len(done["bucket_counts"]) != plan.buckets or len(done["bucket_tar_bytes"]) != plan.buckets:
+                raise ConvertError(
+                    f"{self.workdir.unit_done(unit)}: {plan.inputs[unit].url} was scattered into "
+                    f"{len(done['bucket_counts'])} buckets, the plan has {plan.buckets} (written by another "
+                    f"plan): remove the work directory {self.workdir.root} and rerun"
+                )
             counts += np.asarray(done["bucket_counts"], dtype=np.int64)
             tar_bytes += np.asarray(done["bucket_tar_bytes"], dtype=np.int64)
             sizes.append(int(done["data_size"]))
