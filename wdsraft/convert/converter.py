@@ -94,8 +94,16 @@ class Converter:
         buckets = options.buckets or choose_buckets(inputs, options.memory, options.workers, options.task_count)
         plan = Plan(inputs, options.output, settings, buckets)
         os.makedirs(self.workdir.root, exist_ok=True)
-        # Tasks of an array may race here: they all compute the same plan, and the write is atomic.
-        write_bytes_atomic(self.workdir.plan, plan.to_json())
+        if not self.workdir.create_plan(plan.to_json()):
+            # Another task of the array planned first (its --workers or --memory may give another bucket
+            # count): every task must work from one plan, the one on disk.
+            existing = WorkDir.read_json(self.workdir.plan)
+            if existing is None:  # (and removed since: that conversion finished, or was cleared)
+                raise ConvertError(f"{self.workdir.plan}: another task's plan came and went: rerun")
+            plan = Plan.from_json(json.dumps(existing).encode(), self.workdir.plan)
+            self._check_same(plan, inputs, settings)
+            logger.info("plan: using the plan another task wrote first in %s", self.workdir.root)
+            return plan
         logger.info("plan: %d inputs, %d buckets, workdir %s", len(inputs), buckets, self.workdir.root)
         return plan
 
@@ -115,6 +123,25 @@ class Converter:
                 f"the work directory {self.workdir.root} holds a conversion with other inputs or settings ("
                 + "; ".join(differences)
                 + "): pass another --workdir, or remove it to start over"
+            )
+        self._check_unchanged(plan, inputs)
+
+    def _check_unchanged(self, plan: Plan, inputs: list[InputFile]) -> None:
+        """Refuse inputs changed in place since they were planned (same URL and size, another
+        modification time or ETag): what was scattered from them, and the duplicates found in it, would
+        be used as if it were theirs."""
+        planned = {item.url: item.version for item in plan.inputs}
+        changed = [
+            item.url
+            for item in inputs
+            if item.version is not None and planned.get(item.url) not in (None, item.version)
+        ]
+        if changed:
+            more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
+            raise ConvertError(
+                f"{changed[0]}{more} changed since the work directory {self.workdir.root} was planned (another "
+                "modification time or ETag): what was read from it there is stale. Remove the work directory "
+                "(or pass another --workdir) and rerun"
             )
 
     def _manifest_url(self) -> str:
@@ -284,6 +311,12 @@ class Converter:
             done = WorkDir.read_json(self.workdir.unit_done(unit))
             if done is None:
                 raise ConvertError(f"the scatter phase has not finished: {self._missing_units(plan)}")
+            if len(done["bucket_counts"]) != plan.buckets or len(done["bucket_tar_bytes"]) != plan.buckets:
+                raise ConvertError(
+                    f"{self.workdir.unit_done(unit)}: {plan.inputs[unit].url} was scattered into "
+                    f"{len(done['bucket_counts'])} buckets, the plan has {plan.buckets} (written by another "
+                    f"plan): remove the work directory {self.workdir.root} and rerun"
+                )
             counts += np.asarray(done["bucket_counts"], dtype=np.int64)
             tar_bytes += np.asarray(done["bucket_tar_bytes"], dtype=np.int64)
             sizes.append(int(done["data_size"]))
@@ -317,7 +350,7 @@ class Converter:
                 write_bytes_atomic(self.workdir.duplicate_rejects, duplicates.rejects(plan))
             duplicates.save(self.workdir.duplicates)
         if len(duplicates.rows) and self.options.on_bad_record == "error":
-            raise duplicates.error(plan)
+            raise duplicates.error(plan, self.workdir.root)
         return duplicates
 
     def _my_buckets(self, plan: Plan) -> list[int]:

@@ -164,14 +164,15 @@ class Duplicates:
         rows = self.rows[self.rows["bucket"] == bucket]
         return {unit: rows["key"][rows["unit"] == unit] for unit in np.unique(rows["unit"]).tolist()}
 
-    def error(self, plan: Plan) -> ConvertError:
+    def error(self, plan: Plan, workdir: str) -> ConvertError:
         row = self.rows[0]
         kept, repeated = plan.inputs[int(row["kept_unit"])].url, plan.inputs[int(row["unit"])].url
         more = f" ({len(self.rows)} records repeat a key in all)" if len(self.rows) > 1 else ""
         return ConvertError(
             f"{repeated}: line {int(row['line'])}: the sample key of {kept} line {int(row['kept_line'])} again "
             f'(--id-field {plan.settings["id_field"]!r}: equal values, or values such as 7 and "7", give one key)'
-            f"{more}: fix the inputs, or pass --on-bad-record skip to keep the first and reject the others"
+            f"{more}: fix the inputs and then remove the work directory {workdir} (it holds what was read from "
+            "them), or pass --on-bad-record skip to keep the first and reject the others"
         )
 
     def rejects(self, plan: Plan) -> bytes:

@@ -19,7 +19,7 @@ import zstandard
 
 from wdsraft.convert.keys import tar_safe_key
 from wdsraft.convert.options import ConvertError
-from wdsraft.io.s3 import list_objects, s3_client
+from wdsraft.io.s3 import s3_client
 from wdsraft.io.storage import is_s3, local_path
 
 # Assumed expansion of compressed inputs whose uncompressed size their header does not tell.
@@ -58,13 +58,23 @@ class InputFile:
     size: int
     compression: str | None = None
     name: str = ""  # tar-safe name used in sample keys and shuffle keys; unique among the inputs
+    # What tells a changed file from the planned one at the same size: the modification time in ns of a
+    # local file, the ETag of an S3 object; None where unknown (a plan written before it was recorded).
+    # Not part of the fingerprint: the output depends on the contents only.
+    version: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"url": self.url, "size": self.size, "compression": self.compression, "name": self.name}
+        return {
+            "url": self.url,
+            "size": self.size,
+            "compression": self.compression,
+            "name": self.name,
+            "version": self.version,
+        }
 
     @classmethod
     def from_dict(cls, record: dict[str, Any]) -> InputFile:
-        return cls(record["url"], record["size"], record.get("compression"), record["name"])
+        return cls(record["url"], record["size"], record.get("compression"), record["name"], record.get("version"))
 
     def estimated_bytes(self) -> int:
         """Uncompressed size: exact for plain files; from the gzip trailer or zstd frame header of local
@@ -91,33 +101,96 @@ class InputFile:
         return guess
 
 
-def _list_s3(url: str) -> list[tuple[str, int]]:
-    """Objects under an ``s3://bucket/prefix`` (a glob in the key is matched against the listing)."""
-    parsed = urlparse(url)
-    key = parsed.path.lstrip("/")
+Found = tuple[str, int, str]  # (url, stored size, version: see InputFile.version)
+
+
+def _hidden(part: str) -> bool:
+    return part.startswith(".")
+
+
+def _glob_match(key: str, pattern: str) -> bool:
+    """Whether an S3 key matches a glob as a local path would: component by component (``*``, ``?`` and
+    ``[...]`` never match ``/``), and a wildcard never matches a leading dot (hidden names)."""
+    parts, patterns = key.split("/"), pattern.split("/")
+    return len(parts) == len(patterns) and all(
+        fnmatchcase(part, wanted) and (not _hidden(part) or _hidden(wanted))
+        for part, wanted in zip(parts, patterns, strict=True)
+    )
+
+
+def _list_s3(url: str) -> list[Found]:
+    """Objects matching an ``s3://bucket/glob``, or the input files at any depth under an
+    ``s3://bucket/prefix/`` but in hidden "directories" (as for a local directory)."""
+    bucket, key = _split_s3(url)
     magic = re.search(r"[*?\[]", key)
     prefix = key[: magic.start()] if magic else key
-    return [
-        (item.url, item.size)
-        for item in list_objects(f"s3://{parsed.netloc}/{prefix}")
-        if (fnmatchcase(item.key, key) if magic is not None else _looks_like_input(item.key))
-    ]
+
+    def wanted(name: str) -> bool:
+        if magic is not None:
+            return _glob_match(name, key)
+        return _looks_like_input(name) and not any(_hidden(part) for part in name[len(prefix) :].split("/"))
+
+    pages = s3_client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+    return sorted(
+        (f"s3://{bucket}/{item['Key']}", int(item["Size"]), str(item.get("ETag", "")))
+        for page in pages
+        for item in page.get("Contents", [])
+        if wanted(item["Key"])
+    )
 
 
-def _s3_size(url: str) -> int:
-    parsed = urlparse(url)
+def _walk_local(directory: str) -> list[str]:
+    """The input files at any depth under a local directory (as under an S3 prefix), but in hidden
+    directories and hidden files; directory links are followed, each directory once."""
+    found: list[str] = []
+    seen: set[str] = set()
+    for root, directories, files in os.walk(directory, followlinks=True):
+        real = os.path.realpath(root)
+        if real in seen:  # (a link back up the tree)
+            directories.clear()
+            continue
+        seen.add(real)
+        directories[:] = [name for name in directories if not _hidden(name)]
+        found.extend(os.path.join(root, name) for name in files if not _hidden(name) and _looks_like_input(name))
+    return sorted(found)
+
+
+def _split_s3(url: str) -> tuple[str, str]:
+    """Bucket and key of an ``s3://`` URL, verbatim: a URL parser would take a glob's ``?`` for a query."""
+    bucket, _, key = url[len("s3://") :].partition("/")
+    return bucket, key.lstrip("/")
+
+
+def _s3_object(url: str) -> Found:
+    bucket, key = _split_s3(url)
     try:
-        head = s3_client().head_object(Bucket=parsed.netloc, Key=parsed.path.lstrip("/"))
+        head = s3_client().head_object(Bucket=bucket, Key=key)
     except Exception as exn:
         raise ConvertError(f"input not found or not readable: {url} ({exn})") from None
-    return int(head["ContentLength"])
+    return url, int(head["ContentLength"]), str(head.get("ETag", ""))
+
+
+def _local_file(url: str, path: str) -> Found:
+    stat = os.stat(path)
+    return url, stat.st_size, str(stat.st_mtime_ns)
+
+
+def local_version(url: str) -> str | None:
+    """The version (modification time) of a local input now; None for an S3 input or a missing file."""
+    path = local_path(url)
+    try:
+        return None if path is None else _local_file(url, path)[2]
+    except FileNotFoundError:
+        return None
 
 
 def expand_inputs(specs: Sequence[str]) -> list[InputFile]:
     """Input files from paths, globs, brace patterns, directories, ``s3://`` keys, globs and prefixes
     (ending in ``/``). Directories and prefixes contribute their ``.jsonl``/``.ndjson``/``.json``
-    files, plain or compressed. Each pattern's matches are sorted; the order of patterns is kept."""
-    found: list[tuple[str, int]] = []
+    files, plain or compressed, at any depth; a glob's wildcards match within one path component, on
+    S3 as locally. Hidden names are left out of both. Each pattern's matches are sorted; the order of
+    patterns is kept."""
+    found: list[Found] = []
     for spec in specs:
         for item in braceexpand.braceexpand(spec):
             if is_s3(item):
@@ -127,34 +200,34 @@ def expand_inputs(specs: Sequence[str]) -> list[InputFile]:
                         raise ConvertError(f"no input matches {item}")
                     found.extend(matches)
                 else:
-                    found.append((item, _s3_size(item)))
+                    found.append(_s3_object(item))
             elif urlparse(item).scheme not in ("", "file"):
                 raise ConvertError(f"unsupported input URL {item} (local paths and s3:// only)")
             else:
                 path = local_path(item) or item
                 if os.path.isdir(path):
-                    names = sorted(p for p in glob.glob(os.path.join(path, "*")) if _looks_like_input(p))
+                    names = _walk_local(path)
                     if not names:
-                        raise ConvertError(f"no .jsonl files in directory {item}")
-                    found.extend((name, os.path.getsize(name)) for name in names)
+                        raise ConvertError(f"no .jsonl files in or under directory {item}")
+                    found.extend(_local_file(name, name) for name in names)
                 elif glob.has_magic(path):
                     names = sorted(p for p in glob.glob(path) if os.path.isfile(p))
                     if not names:
                         raise ConvertError(f"no input matches {item}")
-                    found.extend((name, os.path.getsize(name)) for name in names)
+                    found.extend(_local_file(name, name) for name in names)
                 else:
                     if not os.path.isfile(path):
                         raise ConvertError(f"input not found: {item}")
-                    found.append((item, os.path.getsize(path)))
+                    found.append(_local_file(item, path))
     seen: dict[str, str] = {}
-    for url, _ in found:
+    for url, _, _ in found:
         # The same file spelled two ways (./a, a, /abs/a, file://...) would be converted twice.
         identity = url if is_s3(url) else os.path.realpath(local_path(url) or url)
         if identity in seen:
             twice = url if seen[identity] == url else f"{url} (the same file as {seen[identity]})"
             raise ConvertError(f"input given twice: {twice}")
         seen[identity] = url
-    inputs = [InputFile(url, size, _split_suffixes(url)[1]) for url, size in found]
+    inputs = [InputFile(url, size, _split_suffixes(url)[1], "", version) for url, size, version in found]
     _name_inputs(inputs)
     return inputs
 

@@ -19,6 +19,7 @@ import numpy as np
 from wdsraft.convert.duplicates import KeySpiller, key_digests
 from wdsraft.convert.events import BYTES_READ, SPILL, UNIT_DONE, emit
 from wdsraft.convert.extents import write_extent_table
+from wdsraft.convert.inputs import local_version
 from wdsraft.convert.keys import ShuffleKeys
 from wdsraft.convert.lines import InputDamaged, LineReader
 from wdsraft.convert.options import ConvertError
@@ -186,10 +187,18 @@ class ScatterJob:
         spiller = BucketSpiller(stream, self.plan.buckets, threshold, codec)
         spiller_budget_set = False
         spiller.on_spill = lambda: emit(SPILL, unit=self.unit)
-        reader = LineReader(source, lambda n: emit(BYTES_READ, n))
+        stored = 0  # the stored (compressed) bytes read, as the plan's size counts them
+
+        def advance(count: int) -> None:
+            nonlocal stored
+            stored += count
+            emit(BYTES_READ, count)
+
+        reader = LineReader(source, advance)
         lines = blank = 0
         skip = self.on_bad_record == "skip"
         try:
+            self._check_unchanged(None)
             try:
                 for first, batch in reader.batches():
                     if not spiller_budget_set:  # the reader now knows its decompression window
@@ -218,12 +227,14 @@ class ScatterJob:
                             key_lines.append(first + i)
                     if key_spiller is not None:
                         key_spiller.add(key_digests(sample_keys), key_lines)
+                self._check_unchanged(stored)
             except InputDamaged as damage:
                 if not skip:
                     raise ConvertError(f"{source.url}: line {damage.line}: {damage.reason}") from None
                 # The partial line (possibly empty) stands for everything the damage made unreadable.
                 lines += 1
                 rejects.add(damage.line, damage.partial, damage.reason + "; the rest of the file is unreadable")
+                self._check_unchanged(None)  # (reading stopped at the damage: no whole size to compare)
             data_size = spiller.close()
             stream.close()
             keys_size = None
@@ -266,6 +277,23 @@ class ScatterJob:
         WorkDir.write_json(self.workdir.unit_done(self.unit), done)
         emit(UNIT_DONE, unit=self.unit)
         return done
+
+    def _check_unchanged(self, stored: int | None) -> None:
+        """Refuse an input changed since it was planned: read to its end (``stored`` bytes) at another size
+        than planned, or (local) with another modification time. Its records would not be the planned
+        input's, and the plan, every task's, says what the conversion is."""
+        source = self.plan.inputs[self.unit]
+        now = local_version(source.url)
+        if stored is not None and stored != source.size:
+            change = f"{stored} bytes read, {source.size} planned"
+        elif source.version is not None and now is not None and now != source.version:
+            change = "another modification time than planned"
+        else:
+            return
+        raise ConvertError(
+            f"{source.url}: the input changed since the conversion was planned ({change}): remove the work "
+            f"directory {self.workdir.root} and rerun"
+        )
 
 
 def run_scatter(plan: Plan, workdir: WorkDir, unit: int, budget: int, on_bad_record: str) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import shutil
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -79,6 +80,27 @@ class WorkDir:
                 os.unlink(path)
         with contextlib.suppress(OSError):  # (not empty: other files were there before)
             os.rmdir(self.root)
+
+    def create_plan(self, raw: bytes) -> bool:
+        """Write the plan unless there is one: False when another task's plan is already there. Written
+        whole under a temporary name, then linked to its name (which fails if taken): a plan is never
+        replaced, and never seen partly written."""
+        descriptor, temporary = tempfile.mkstemp(
+            prefix=f".{os.path.basename(self.plan)}.tmp-{os.getpid()}-", dir=self.root
+        )
+        try:
+            with os.fdopen(descriptor, "wb") as handle:
+                handle.write(raw)
+                handle.flush()
+                os.fsync(handle.fileno())
+            try:
+                os.link(temporary, self.plan)
+            except FileExistsError:
+                return False
+            return True
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temporary)
 
     @staticmethod
     def read_json(path: str) -> dict[str, Any] | None:

@@ -1,0 +1,85 @@
+"""A local directory and an S3 prefix holding the same tree give the same inputs (every input file at any
+depth, hidden names left out), and so do a local glob and the same glob on S3 (wildcards stay within one
+path component, and do not match a leading dot)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from wdsraft.convert import ConvertError, expand_inputs
+
+TREE = {
+    "top.jsonl": 1,
+    "en/x.jsonl": 2,
+    "fr/sub/y.jsonl.gz": 3,
+    "fr/sub/deeper/z.ndjson": 4,
+    "notes.txt": 5,  # not an input file: left out of a directory, matched by a glob that names it
+    ".hidden/h.jsonl": 6,
+    "en/.partial.jsonl": 7,
+}
+
+
+@pytest.fixture
+def trees(tmp_path: Path, s3_bucket: str) -> tuple[str, str]:
+    """The same tree in a local directory and under an S3 prefix; returns both roots (no trailing /)."""
+    import boto3
+
+    client = boto3.client("s3")
+    root = tmp_path / "in"
+    for relative, n in TREE.items():
+        path = root / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"text": "x" * n}) + "\n")
+        client.put_object(Bucket=s3_bucket, Key=f"raw/{relative}", Body=path.read_bytes())
+    return str(root), f"s3://{s3_bucket}/raw"
+
+
+def _relative(spec: str, root: str) -> list[tuple[str, int]]:
+    return [(item.url[len(root) + 1 :], item.size) for item in expand_inputs([spec])]
+
+
+@pytest.mark.parametrize(
+    ("pattern", "expected"),
+    [
+        ("/", ["en/x.jsonl", "fr/sub/deeper/z.ndjson", "fr/sub/y.jsonl.gz", "top.jsonl"]),
+        ("/*.jsonl", ["top.jsonl"]),
+        ("/*", ["notes.txt", "top.jsonl"]),
+        ("/*/*.jsonl", ["en/x.jsonl"]),
+        ("/**.jsonl", ["top.jsonl"]),  # (not recursive locally without recursive=True; nor on S3)
+        ("/*/*/*", ["fr/sub/y.jsonl.gz"]),
+        ("/en/.*.jsonl", ["en/.partial.jsonl"]),  # a pattern that names the dot matches hidden names
+        ("/.hidden/*", [".hidden/h.jsonl"]),
+        ("/f?/s[u]b/*.gz", ["fr/sub/y.jsonl.gz"]),
+    ],
+    ids=["directory", "star", "star-all", "one-level", "double-star", "three-levels", "dot", "in-hidden", "marks"],
+)
+def test_a_local_tree_and_the_same_s3_tree_give_the_same_inputs(trees, pattern: str, expected: list[str]) -> None:
+    local, remote = trees
+    local_found = _relative(local + pattern, local)
+    remote_found = _relative(remote + pattern, remote)
+    assert [name for name, _ in local_found] == expected
+    assert remote_found == local_found, (remote_found, local_found)
+
+
+def test_the_same_tree_gives_the_same_input_names(trees) -> None:
+    """Names (which the shuffle keys and sample keys are made of) agree too: a directory converted
+    locally or from S3 gives the same shards."""
+    local, remote = trees
+    assert [i.name for i in expand_inputs([local])] == [i.name for i in expand_inputs([remote + "/"])]
+
+
+def test_a_directory_with_input_files_only_in_hidden_places_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "d" / ".cache").mkdir(parents=True)
+    (tmp_path / "d" / ".cache" / "a.jsonl").write_text('{"text": "a"}\n')
+    with pytest.raises(ConvertError, match=r"no \.jsonl files in or under directory"):
+        expand_inputs([str(tmp_path / "d")])
+
+
+def test_a_link_back_up_the_tree_is_walked_once(tmp_path: Path) -> None:
+    (tmp_path / "d" / "sub").mkdir(parents=True)
+    (tmp_path / "d" / "sub" / "a.jsonl").write_text('{"text": "a"}\n')
+    (tmp_path / "d" / "sub" / "loop").symlink_to(tmp_path / "d")
+    assert [i.url for i in expand_inputs([str(tmp_path / "d")])] == [str(tmp_path / "d" / "sub" / "a.jsonl")]
