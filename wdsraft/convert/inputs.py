@@ -19,7 +19,7 @@ import zstandard
 
 from wdsraft.convert.keys import tar_safe_key
 from wdsraft.convert.options import ConvertError
-from wdsraft.io.s3 import s3_client
+from wdsraft.io.s3 import list_objects, s3_client
 from wdsraft.io.storage import is_s3, local_path
 
 # Assumed expansion of compressed inputs whose uncompressed size their header does not tell.
@@ -130,13 +130,8 @@ def _list_s3(url: str) -> list[Found]:
             return _glob_match(name, key)
         return _looks_like_input(name) and not any(_hidden(part) for part in name[len(prefix) :].split("/"))
 
-    pages = s3_client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
-    return sorted(
-        (f"s3://{bucket}/{item['Key']}", int(item["Size"]), str(item.get("ETag", "")))
-        for page in pages
-        for item in page.get("Contents", [])
-        if wanted(item["Key"])
-    )
+    listed = list_objects(f"s3://{bucket}/{prefix}")
+    return sorted((item.url, item.size, item.etag) for item in listed if wanted(item.key))
 
 
 def _walk_local(directory: str) -> list[str]:

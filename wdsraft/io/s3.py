@@ -82,6 +82,7 @@ class S3Object(NamedTuple):
     key: str
     name: str  # the key after the listed prefix
     size: int  # bytes
+    etag: str = ""  # (tells a rewritten object from the one listed before, at the same size)
 
 
 def list_objects(prefix_url: str, delimiter: str | None = None) -> list[S3Object]:
@@ -91,7 +92,13 @@ def list_objects(prefix_url: str, delimiter: str | None = None) -> list[S3Object
     bucket, prefix = parsed.netloc, parsed.path.lstrip("/")
     request = {"Bucket": bucket, "Prefix": prefix} | ({"Delimiter": delimiter} if delimiter is not None else {})
     found = [
-        S3Object(f"s3://{bucket}/{item['Key']}", item["Key"], item["Key"][len(prefix) :], int(item["Size"]))
+        S3Object(
+            f"s3://{bucket}/{item['Key']}",
+            item["Key"],
+            item["Key"][len(prefix) :],
+            int(item["Size"]),
+            item.get("ETag", ""),
+        )
         for page in s3_client().get_paginator("list_objects_v2").paginate(**request)
         for item in page.get("Contents", [])
     ]
