@@ -2,7 +2,7 @@
 
     python benchmarks/mix_throughput.py [--shards 24] [--per-shard 200] [--sample-bytes 2048]
                                         [--batch 32] [--workers 0] [--rounds 5]
-                                        [--mixer interleave|RandomMix|RoundRobin]
+                                        [--mixer interleave|RandomMix|RoundRobin] [--nested-snapshot-every N]
 
 The shards (text samples of ``--sample-bytes``) are split in three sources, a third each. The single-source
 pipeline reads all of them, ``WebDataset(urls)...batched(B)``; the mixed one reads the three thirds through
@@ -139,7 +139,14 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--mixer", choices=list(MIXERS), default="interleave", help="how the sources are mixed")
+    parser.add_argument(
+        "--nested-snapshot-every",
+        type=int,
+        help="how often a pipeline reading a RandomMix or RoundRobin keeps the mix's whole state (default: theirs)",
+    )
     args = parser.parse_args()
+    if args.nested_snapshot_every is not None:
+        wds.RandomMix.nested_snapshot_every = wds.RoundRobin.nested_snapshot_every = args.nested_snapshot_every
     warnings.simplefilter("ignore", UserWarning)
     directory = Path(tempfile.mkdtemp(prefix="wdsraft-mix-"))
     try:

@@ -169,7 +169,7 @@ def test_a_mixture_adds_one_generator_per_item(urls) -> None:
 
 def test_a_random_mix_as_a_first_stage_keeps_its_whole_state_every_256_items(urls, monkeypatch) -> None:
     """``DataPipeline(RandomMix(...), shuffle, batched)`` keeps the mix's whole state (its datasets' and its
-    RNG's, some 90 us) before every 256th item, not every 16th or 64th, and still resumes exactly behind the
+    RNG's) before every 256th item, not every 16th or 64th, and still resumes exactly behind the
     buffers."""
     calls = []
     original = wds.RandomMix.state_dict

@@ -198,8 +198,9 @@ class RandomMix(DataPipeline):
     gives the mix its own generator."""
 
     #: How often a pipeline that reads this mix as its first stage keeps the mix's whole state (``PipelineSource``):
-    #: some 90 us for three datasets, 1.4 us an item every 64 items, 0.45 us every 256 (as ``interleave_datasets``
-    #: does); a restore fetches again at most 255 items more than the stages after it hold.
+    #: every 64 items that cost about 0.9 us an item for three datasets, every 256 (as ``interleave_datasets``)
+    #: too little to measure (benchmarks/mix_throughput.py --nested-snapshot-every); a restore fetches again at
+    #: most 255 items more than the stages after it hold.
     nested_snapshot_every = 256
 
     def __init__(self, datasets: list[Any], probs: Any = None, longest: bool = False, seed: Any = None):
