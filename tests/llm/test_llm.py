@@ -281,7 +281,7 @@ def _plain(sample):
 
 
 @pytest.mark.parametrize("in_flight", [False, True], ids=["", "parallel_map"])
-@pytest.mark.parametrize("stage", ["concat_chunk", "pack_bestfit", "pad"])
+@pytest.mark.parametrize("stage", ["concat_chunk", "chunk", "chunk_keep", "pack_bestfit", "pad"])
 def test_a_state_taken_one_step_after_a_restore_resumes_exactly(urls, cl100k, stage, in_flight) -> None:
     """Restored, the sequence stages hand out what they held before the stages upstream of them first run: a
     state taken then (a checkpoint one step after a resume) must still hold what those stages were given (the
@@ -292,7 +292,12 @@ def test_a_state_taken_one_step_after_a_restore_resumes_exactly(urls, cl100k, st
         if in_flight:
             pipeline = pipeline.parallel_map(_plain, max_workers=2)
         pipeline = pipeline.tokenize(cl100k, batch_size=4).ensure_bos_eos(cl100k)
-        sized = pipeline.pack_bestfit(LENGTH, buffer=6) if stage == "pack_bestfit" else getattr(pipeline, stage)(LENGTH)
+        if stage == "pack_bestfit":
+            sized = pipeline.pack_bestfit(LENGTH, buffer=6)
+        elif stage == "chunk_keep":
+            sized = pipeline.chunk(LENGTH, drop_remainder=False)
+        else:
+            sized = getattr(pipeline, stage)(LENGTH)
         return sized.batched(3)
 
     stream, states = states_along(make)

@@ -43,11 +43,11 @@ class RetryPolicy:
         ``WDSRAFT_CONNECT_TIMEOUT`` where set."""
         base = cls()
         return cls(
-            retries=number_from_env("WDSRAFT_READ_RETRIES", base.retries, int, minimum=0),
-            backoff=number_from_env("WDSRAFT_READ_BACKOFF", base.backoff, float, minimum=0.0),
+            retries=number_from_env("WDSRAFT_READ_RETRIES", base.retries, minimum=0),
+            backoff=number_from_env("WDSRAFT_READ_BACKOFF", base.backoff, minimum=0.0),
             backoff_max=base.backoff_max,
-            read_timeout=number_from_env("WDSRAFT_READ_TIMEOUT", base.read_timeout, float, minimum=0.0),
-            connect_timeout=number_from_env("WDSRAFT_CONNECT_TIMEOUT", base.connect_timeout, float, minimum=0.0),
+            read_timeout=number_from_env("WDSRAFT_READ_TIMEOUT", base.read_timeout, minimum=0.0),
+            connect_timeout=number_from_env("WDSRAFT_CONNECT_TIMEOUT", base.connect_timeout, minimum=0.0),
         )
 
     def delay(self, attempt: int) -> float:

@@ -27,7 +27,7 @@ def ledger_concurrency() -> int:
     """Objects the ledger reads at once per process (also the size of the S3 connection pool the reads share):
     ``WDSRAFT_LEDGER_CONCURRENCY``, read when the ledger first reads (a bad value stops the ledger, not every
     ``import wdsraft``)."""
-    return number_from_env("WDSRAFT_LEDGER_CONCURRENCY", CONCURRENCY, int, minimum=1)
+    return number_from_env("WDSRAFT_LEDGER_CONCURRENCY", CONCURRENCY, minimum=1)
 
 
 #: Attempts per object for failures other than "not there" (a throttled or reset request, say).

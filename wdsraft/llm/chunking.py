@@ -25,8 +25,7 @@ class ConcatChunk(_SequenceStage):
 
     def _run(self, ctx: Context, src: Iterator[Any]) -> Iterator[Any]:
         held = self._held
-        if self._saved is not None:
-            held[:] = self._read(ctx, held)  # (the restored pieces' tokens)
+        held[:] = self._read(ctx, held)  # (the restored pieces' tokens; nothing on a fresh start)
         # A state taken inside a long document holds a full sequence or more: hand those out first
         # (the input may have nothing more to give).
         total = yield from self._full_sequences(ctx, held, sum(len(piece[0]) for piece in held))
@@ -85,9 +84,8 @@ class Chunk(_SequenceStage):
         return {**super().config(), "drop_remainder": self.drop_remainder}
 
     def _run(self, ctx: Context, src: Iterator[Any]) -> Iterator[Any]:
-        if self._saved is not None:
-            self._held[:] = self._read(ctx, self._held)  # (the restored pieces' tokens)
-            yield from self._cut(ctx)
+        self._held[:] = self._read(ctx, self._held)  # (the restored pieces' tokens; nothing on a fresh start)
+        yield from self._cut(ctx)
         tracker = AddressTracker(ctx)
         for item in src:
             tokens, base = _remaining(item)

@@ -38,6 +38,7 @@ class PackBestFit(_SequenceStage):
         super().__init__(length, pad_id)
         self.buffer = buffer
         self._ready: list[list[Piece]] = []  # packed sequences not yet handed out
+        self._restored = False  # whether this run began from a state (pieces may wait to be re-read)
 
     def config(self) -> dict[str, Any]:
         return {**super().config(), "buffer": self.buffer}
@@ -55,7 +56,7 @@ class PackBestFit(_SequenceStage):
         assert src is not None
         # Adopted now, not when the generator first runs: a state taken before then (the stages after this one
         # hand out what they restored first) must hold these pieces. Their tokens are read when needed.
-        self._saved = state
+        self._restored = state is not None  # (only a restore leaves pieces to re-read: fresh runs never look)
         self._held, self._ready = [], []
         if state is not None:
             pieces = iter(self._restore(ctx, state["ready"], unread=True))
@@ -64,8 +65,7 @@ class PackBestFit(_SequenceStage):
         return self._run(ctx, src)
 
     def _run(self, ctx: Context, src: Iterator[Any]) -> Iterator[Any]:
-        if self._saved is not None:
-            yield from self._hand_out(ctx)
+        yield from self._hand_out(ctx)  # (what a restore left ready; nothing on a fresh start)
         tracker = AddressTracker(ctx)
         n = self.length
         for item in src:
@@ -96,8 +96,7 @@ class PackBestFit(_SequenceStage):
 
     def _hand_out(self, ctx: Context) -> Iterator[Any]:
         while self._ready:
-            # (only a restore leaves pieces to re-read, ``_restore(..., unread=True)``: fresh runs never look)
-            if self._saved is not None and any(isinstance(piece[0], Unread) for piece in self._ready[0]):
+            if self._restored and any(isinstance(piece[0], Unread) for piece in self._ready[0]):
                 self._read_ahead(ctx)
             sequence = self._ready.pop(0)
             yield self._emit(ctx, sequence)

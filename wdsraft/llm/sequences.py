@@ -210,7 +210,6 @@ class _SequenceStage(Stage):
         assert src is not None
         # Adopted now, not when the generator first runs: a state taken before then (the stages after this one
         # hand out what they restored first) must hold these pieces. ``_run`` reads their tokens first thing.
-        self._saved = state
         self._held = self._restore(ctx, state, unread=True) if state is not None else []
         return self._run(ctx, src)
 

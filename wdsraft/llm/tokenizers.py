@@ -61,7 +61,9 @@ class TokenizerAdapter:
         Computed once per adapter: a forked or spawned worker inherits it."""
         identity = self.__dict__.get("_identity")
         if identity is None:
-            name = self.name or f"{type(self).__module__}.{type(self).__qualname__}"
+            # (a spawned worker imports the training script as __mp_main__: the same class, the same name)
+            module = "__main__" if type(self).__module__ == "__mp_main__" else type(self).__module__
+            name = self.name or f"{module}.{type(self).__qualname__}"
             digest = self._digest()
             if digest is None:
                 logger.warning(
