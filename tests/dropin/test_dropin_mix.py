@@ -108,9 +108,18 @@ def test_a_restored_mix_reads_only_what_is_left(text_urls, audio_urls) -> None:
         assert len(read) <= len(stream) - k + 5, (k, len(read))  # (+ the shuffle buffer's refill)
 
 
-def test_a_mix_with_a_buffer_after_it_resumes(text_urls, audio_urls) -> None:
+@pytest.mark.parametrize("every", [None, 2, 5])
+@pytest.mark.parametrize("mixer", ["RandomMix", "RoundRobin"])
+def test_a_mix_with_a_buffer_after_it_resumes(text_urls, audio_urls, monkeypatch, mixer, every) -> None:
+    """Read as a pipeline's first stage, a mix keeps its whole state every ``nested_snapshot_every`` items (256):
+    a restore goes back to the newest one before what the buffer after it holds. Small intervals here, so that
+    restores start from later snapshots too, not only the first."""
+    if every is not None:
+        monkeypatch.setattr(getattr(wds, mixer), "nested_snapshot_every", every)
+
     def make():
-        mix = wds.RandomMix(_two(wds, text_urls, audio_urls), longest=True, seed=2)
+        datasets = _two(wds, text_urls, audio_urls)
+        mix = wds.RandomMix(datasets, longest=True, seed=2) if mixer == "RandomMix" else wds.RoundRobin(datasets, True)
         return wds.DataPipeline(mix, wds.shuffle(4, seed=3), wds.batched(3))
 
     assert len(assert_resumes_everywhere(make, same_shape=False)) == 17
