@@ -4,8 +4,11 @@ path component, and do not match a leading dot)."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -83,3 +86,52 @@ def test_a_link_back_up_the_tree_is_walked_once(tmp_path: Path) -> None:
     (tmp_path / "d" / "sub" / "a.jsonl").write_text('{"text": "a"}\n')
     (tmp_path / "d" / "sub" / "loop").symlink_to(tmp_path / "d")
     assert [i.url for i in expand_inputs([str(tmp_path / "d")])] == [str(tmp_path / "d" / "sub" / "a.jsonl")]
+
+
+def test_a_directory_linked_twice_is_named_by_its_first_name(tmp_path: Path) -> None:
+    """A directory reached under two names is read once, under the name that sorts first, whatever the order
+    the directory lists in: the same tree gives the same input names (and so the same shards) anywhere."""
+    root = tmp_path / "in"
+    (root / "b").mkdir(parents=True)
+    (root / "b" / "x.jsonl").write_text('{"text": "x"}\n')
+    (root / "a").symlink_to(root / "b")  # (a sorts first; a directory may list b first)
+    assert [item.url for item in expand_inputs([str(root)])] == [str(root / "a" / "x.jsonl")]
+
+
+def test_the_conversions_own_output_inside_an_input_directory_is_no_input(tmp_path: Path) -> None:
+    """``convert data/ --output data/shards`` twice: the second run does not take the first one's manifest and
+    rejects (JSON files under the input directory) for inputs; it finds the conversion done."""
+    from wdsraft.convert import ConvertOptions, convert
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.jsonl").write_text("".join(json.dumps({"text": f"t{n}"}) + "\n" for n in range(5)))
+    (data / "b.jsonl").write_text('{"text": "ok"}\n{"broken\n')
+    options = ConvertOptions(inputs=[str(data)], output=str(data / "shards"), on_bad_record="skip", name="ds")
+    first = convert(options)
+    assert (data / "shards" / "manifest.json").exists() and (data / "shards" / "rejects.jsonl").exists()
+    again = convert(options)
+    assert [item.url for item in expand_inputs([str(data)], excluded=[str(data / "shards")])] == [
+        str(data / "a.jsonl"),
+        str(data / "b.jsonl"),
+    ]
+    assert again.num_samples == first.num_samples == 6
+
+
+def test_an_unreadable_input_directory_is_named(tmp_path: Path, monkeypatch) -> None:
+    """A subdirectory that cannot be listed (no permission, a stale NFS handle) stops the conversion naming it:
+    its inputs are not left out unseen."""
+    root = tmp_path / "in"
+    (root / "locked").mkdir(parents=True)
+    (root / "locked" / "x.jsonl").write_text('{"text": "x"}\n')
+    (root / "y.jsonl").write_text('{"text": "y"}\n')
+    real_scandir = os.scandir
+
+    def scandir(path: Any = ".") -> Any:  # (as for a directory without read permission, even for root)
+        if os.fspath(path).endswith("locked"):
+            raise PermissionError(errno.EACCES, "Permission denied", os.fspath(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    with pytest.raises(ConvertError, match=r"cannot read the input directory .*locked \(Permission denied\)"):
+        expand_inputs([str(root)])

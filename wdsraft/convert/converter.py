@@ -61,7 +61,8 @@ class Converter:
         """Load the plan, or make it (first run); None when the output already is this conversion."""
         options = self.options
         existing = WorkDir.read_json(self.workdir.plan)
-        inputs = expand_inputs(options.inputs) if options.inputs else None
+        own = (options.output, self.workdir.root)  # (never inputs, where they lie inside an input directory)
+        inputs = expand_inputs(options.inputs, excluded=own) if options.inputs else None
         settings = plan_settings(options)
         plan = Plan.from_json(json.dumps(existing).encode(), self.workdir.plan) if existing is not None else None
         if plan is not None and inputs is not None:

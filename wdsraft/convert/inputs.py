@@ -134,18 +134,24 @@ def _list_s3(url: str) -> list[Found]:
     return sorted((item.url, item.size, item.etag) for item in listed if wanted(item.key))
 
 
-def _walk_local(directory: str) -> list[str]:
+def _walk_local(directory: str, excluded: frozenset[str] = frozenset()) -> list[str]:
     """The input files at any depth under a local directory (as under an S3 prefix), but in hidden
-    directories and hidden files; directory links are followed, each directory once."""
+    directories and hidden files, and in ``excluded`` (real paths: the conversion's own output and work
+    directories); directory links are followed, each directory once, in name order (a tree reached two
+    ways is named the same way whatever the order a directory lists in)."""
     found: list[str] = []
     seen: set[str] = set()
-    for root, directories, files in os.walk(directory, followlinks=True):
+
+    def unreadable(error: OSError) -> None:
+        raise ConvertError(f"cannot read the input directory {error.filename} ({error.strerror})")
+
+    for root, directories, files in os.walk(directory, onerror=unreadable, followlinks=True):
         real = os.path.realpath(root)
-        if real in seen:  # (a link back up the tree)
+        if real in seen or real in excluded:  # (a link back up the tree; the conversion's own output)
             directories.clear()
             continue
         seen.add(real)
-        directories[:] = [name for name in directories if not _hidden(name)]
+        directories[:] = sorted(name for name in directories if not _hidden(name))
         found.extend(os.path.join(root, name) for name in files if not _hidden(name) and _looks_like_input(name))
     return sorted(found)
 
@@ -166,7 +172,10 @@ def _s3_object(url: str) -> Found:
 
 
 def _local_file(url: str, path: str) -> Found:
-    stat = os.stat(path)
+    try:
+        stat = os.stat(path)
+    except OSError as exn:  # (a link to nothing, say)
+        raise ConvertError(f"input not readable: {url} ({exn.strerror})") from None
     return url, stat.st_size, str(stat.st_mtime_ns)
 
 
@@ -174,17 +183,19 @@ def local_version(url: str) -> str | None:
     """The version (modification time) of a local input now; None for an S3 input or a missing file."""
     path = local_path(url)
     try:
-        return None if path is None else _local_file(url, path)[2]
+        return None if path is None else str(os.stat(path).st_mtime_ns)
     except FileNotFoundError:
         return None
 
 
-def expand_inputs(specs: Sequence[str]) -> list[InputFile]:
+def expand_inputs(specs: Sequence[str], excluded: Sequence[str] = ()) -> list[InputFile]:
     """Input files from paths, globs, brace patterns, directories, ``s3://`` keys, globs and prefixes
     (ending in ``/``). Directories and prefixes contribute their ``.jsonl``/``.ndjson``/``.json``
     files, plain or compressed, at any depth; a glob's wildcards match within one path component, on
-    S3 as locally. Hidden names are left out of both. Each pattern's matches are sorted; the order of
-    patterns is kept."""
+    S3 as locally. Hidden names are left out of both, and so are the local directories ``excluded``
+    (the conversion's output and work directories, when they lie inside an input directory). Each
+    pattern's matches are sorted; the order of patterns is kept."""
+    skipped = frozenset(os.path.realpath(local_path(path) or path) for path in excluded if not is_s3(path))
     found: list[Found] = []
     for spec in specs:
         for item in braceexpand.braceexpand(spec):
@@ -201,7 +212,7 @@ def expand_inputs(specs: Sequence[str]) -> list[InputFile]:
             else:
                 path = local_path(item) or item
                 if os.path.isdir(path):
-                    names = _walk_local(path)
+                    names = _walk_local(path, skipped)
                     if not names:
                         raise ConvertError(f"no .jsonl files in or under directory {item}")
                     found.extend(_local_file(name, name) for name in names)
