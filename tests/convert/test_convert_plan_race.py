@@ -3,12 +3,15 @@ all work from one plan, the first written; scatter data of another plan is refus
 
 from __future__ import annotations
 
+import errno
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from wdsraft.convert import ConvertError, ConvertOptions, InputFile, convert, converter
+from wdsraft.convert import workdir as workdir_module
 
 
 def _inputs(tmp_path: Path) -> list[str]:
@@ -29,7 +32,15 @@ def _options(inputs: list[str], out: Path, work: Path, **extra) -> ConvertOption
     return ConvertOptions(inputs, str(out), name="ds", workdir=str(work), samples_per_shard=11, **extra)
 
 
-def test_tasks_planning_at_once_with_other_workers_share_the_first_plan(tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("links", [True, False], ids=["hard-links", "no-hard-links"])
+def test_tasks_planning_at_once_with_other_workers_share_the_first_plan(tmp_path: Path, monkeypatch, links) -> None:
+    """...also where the work directory's file system has no hard links (s3fs, gcsfuse): a claim file decides."""
+    if not links:
+
+        def no_link(source: str, target: str) -> None:
+            raise OSError(errno.ENOTSUP, "Operation not supported", target)
+
+        monkeypatch.setattr(workdir_module.os, "link", no_link)
     inputs = _inputs(tmp_path)
     reference = tmp_path / "reference"
     convert(_options(inputs, reference, tmp_path / "w0", workers=1))
@@ -39,12 +50,12 @@ def test_tasks_planning_at_once_with_other_workers_share_the_first_plan(tmp_path
     expand = converter.expand_inputs
     raced = []
 
-    def racing(specs: list[str]) -> list[InputFile]:
+    def racing(specs: list[str], **kw: Any) -> list[InputFile]:
         """The second task found no plan; the first plans (and scatters) before it writes its own."""
         if not raced:
             raced.append(True)
             first.run()
-        return expand(specs)
+        return expand(specs, **kw)
 
     monkeypatch.setattr(converter, "expand_inputs", racing)
     second.run()

@@ -6,6 +6,7 @@ and the number of buckets, which every task and every rerun works from.
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob
 import hashlib
 import json
@@ -13,6 +14,7 @@ import math
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +27,11 @@ PLAN_FORMAT = "wdsraft-convert-plan"
 PLAN_VERSION = 1
 # A bucket is planned at half a worker's share of --memory.
 BUCKET_FRACTION = 2
+
+
+#: What ``os.link`` fails with on a file system without hard links.
+_NO_HARD_LINKS = frozenset({errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM, errno.EXDEV})
+_PLAN_WAIT = 300.0  # seconds a task waits for the plan another task claimed
 
 
 class WorkDir:
@@ -97,10 +104,32 @@ class WorkDir:
                 os.link(temporary, self.plan)
             except FileExistsError:
                 return False
+            except OSError as exn:  # (no hard links here: s3fs, gcsfuse, some SMB mounts)
+                if exn.errno not in _NO_HARD_LINKS:
+                    raise
+                return self._create_plan_without_links(temporary)
             return True
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(temporary)
+
+    def _create_plan_without_links(self, temporary: str) -> bool:
+        """``create_plan`` where the file system has no hard links: an exclusively created claim file decides
+        which task writes the plan (then renamed into place, whole); the others wait for it to appear."""
+        try:
+            os.close(os.open(self.plan + ".claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            deadline = time.monotonic() + _PLAN_WAIT
+            while not os.path.exists(self.plan):
+                if time.monotonic() > deadline:
+                    raise ConvertError(
+                        f"{self.plan}.claim exists but no plan came in {_PLAN_WAIT:.0f} s: another task died while "
+                        "planning; remove the claim file and rerun"
+                    ) from None
+                time.sleep(0.2)
+            return False
+        os.replace(temporary, self.plan)
+        return True
 
     @staticmethod
     def read_json(path: str) -> dict[str, Any] | None:
