@@ -135,3 +135,14 @@ def test_an_unreadable_input_directory_is_named(tmp_path: Path, monkeypatch) -> 
     monkeypatch.setattr(os, "scandir", scandir)
     with pytest.raises(ConvertError, match=r"cannot read the input directory .*locked \(Permission denied\)"):
         expand_inputs([str(root)])
+
+
+def test_an_s3_prefix_with_a_hash_lists_that_prefix_only(s3_bucket: str) -> None:
+    """``#`` and ``?`` are parts of an S3 key: a URL parser would cut ``data#1/`` to ``data`` and list
+    ``data/`` too."""
+    import boto3
+
+    client = boto3.client("s3")
+    for key in ("data#1/a.jsonl", "data/b.jsonl", "data2/c.jsonl"):
+        client.put_object(Bucket=s3_bucket, Key=key, Body=b'{"text": "x"}\n')
+    assert [item.url for item in expand_inputs([f"s3://{s3_bucket}/data#1/"])] == [f"s3://{s3_bucket}/data#1/a.jsonl"]

@@ -19,7 +19,7 @@ import zstandard
 
 from wdsraft.convert.keys import tar_safe_key
 from wdsraft.convert.options import ConvertError
-from wdsraft.io.s3 import list_objects, s3_client
+from wdsraft.io.s3 import list_objects, s3_client, split_s3_url
 from wdsraft.io.storage import is_s3, local_path
 
 # Assumed expansion of compressed inputs whose uncompressed size their header does not tell.
@@ -121,7 +121,7 @@ def _glob_match(key: str, pattern: str) -> bool:
 def _list_s3(url: str) -> list[Found]:
     """Objects matching an ``s3://bucket/glob``, or the input files at any depth under an
     ``s3://bucket/prefix/`` but in hidden "directories" (as for a local directory)."""
-    bucket, key = _split_s3(url)
+    bucket, key = split_s3_url(url)
     magic = re.search(r"[*?\[]", key)
     prefix = key[: magic.start()] if magic else key
 
@@ -156,14 +156,8 @@ def _walk_local(directory: str, excluded: frozenset[str] = frozenset()) -> list[
     return sorted(found)
 
 
-def _split_s3(url: str) -> tuple[str, str]:
-    """Bucket and key of an ``s3://`` URL, verbatim: a URL parser would take a glob's ``?`` for a query."""
-    bucket, _, key = url[len("s3://") :].partition("/")
-    return bucket, key.lstrip("/")
-
-
 def _s3_object(url: str) -> Found:
-    bucket, key = _split_s3(url)
+    bucket, key = split_s3_url(url)
     try:
         head = s3_client().head_object(Bucket=bucket, Key=key)
     except Exception as exn:

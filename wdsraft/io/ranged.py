@@ -17,7 +17,7 @@ from urllib.parse import unquote, urlparse, urlunparse
 
 from wdsraft.core.errors import RemoteAccessDeniedError, RemoteNotFoundError, RemoteReadError
 from wdsraft.io.remote import Body, EmptyBody, Opened, Opener, RetryPolicy, permanent
-from wdsraft.io.s3 import s3_reader_client
+from wdsraft.io.s3 import s3_reader_client, split_s3_url
 
 logger = logging.getLogger(__name__)
 
@@ -59,11 +59,6 @@ def s3_error(url: str, offset: int, exn: BaseException) -> RemoteReadError:
     elif code in _S3_BUSY and (status is None or status < 500):
         status = 503
     return status_error(url, offset, status, remote)
-
-
-def split_s3_url(url: str) -> tuple[str, str]:
-    parsed = urlparse(url)
-    return parsed.netloc, parsed.path.lstrip("/")
 
 
 _CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-\d+/(\d+|\*)|bytes\s+\*/(\d+)")

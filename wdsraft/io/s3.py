@@ -14,7 +14,6 @@ import os
 import shutil
 import threading
 from typing import Any, NamedTuple
-from urllib.parse import urlparse
 
 from wdsraft.io.threads import CONCURRENCY
 
@@ -85,11 +84,17 @@ class S3Object(NamedTuple):
     etag: str = ""  # (tells a rewritten object from the one listed before, at the same size)
 
 
+def split_s3_url(url: str) -> tuple[str, str]:
+    """Bucket and key of an ``s3://`` URL, verbatim: a URL parser would cut a key at ``?`` or ``#`` (a glob's
+    wildcard, a file named ``part#1``)."""
+    bucket, _, key = url.removeprefix("s3://").partition("/")
+    return bucket, key.lstrip("/")
+
+
 def list_objects(prefix_url: str, delimiter: str | None = None) -> list[S3Object]:
     """The objects whose key starts with the key of ``prefix_url`` (``s3://BUCKET/PREFIX``), sorted by key.
     With ``delimiter="/"``: only those directly under the prefix, not in its "subdirectories"."""
-    parsed = urlparse(prefix_url)
-    bucket, prefix = parsed.netloc, parsed.path.lstrip("/")
+    bucket, prefix = split_s3_url(prefix_url)
     request = {"Bucket": bucket, "Prefix": prefix} | ({"Delimiter": delimiter} if delimiter is not None else {})
     found = [
         S3Object(

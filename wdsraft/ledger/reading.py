@@ -14,8 +14,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple, TypeVar
 
 from wdsraft.io.environment import number_from_env
-from wdsraft.io.ranged import split_s3_url
-from wdsraft.io.s3 import list_objects, s3_client, s3_pooled_client
+from wdsraft.io.s3 import list_objects, s3_client, s3_pooled_client, split_s3_url
 from wdsraft.io.storage import local_path
 from wdsraft.io.threads import CONCURRENCY, map_in_threads
 
