@@ -9,6 +9,7 @@ import json
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -108,9 +109,9 @@ def test_an_input_changed_between_planning_and_scattering_is_refused(tmp_path, m
         source = tmp_path / "in" / "a.jsonl.gz"
         source.write_bytes(gzip.compress((tmp_path / "in" / "a.jsonl").read_bytes()))
 
-    def listed_then_changed(specs: list[str]) -> list[inputs.InputFile]:
+    def listed_then_changed(specs: list[str], **kw: Any) -> list[inputs.InputFile]:
         """The input changes just after it is listed, sized and planned (another writer at work)."""
-        found = inputs.expand_inputs(specs)
+        found = inputs.expand_inputs(specs, **kw)
         data, planned = source.read_bytes(), source.stat()
         if change == "appended":
             source.write_bytes(data + b'{"id": 50, "text": "late"}\n')
