@@ -19,13 +19,13 @@ from wdsraft.core.errors import StateMismatchError
 from wdsraft.core.fields import OFFSET_FIELD, ORDINAL_FIELD
 from wdsraft.index.shard_index import ShardIndex
 from wdsraft.io.storage import local_path
-from wdsraft.pipeline.shard_entries import ShardEntry, start_of
+from wdsraft.pipeline.shard_entries import open_entry
 from wdsraft.pipeline.stage import Context
 
 if TYPE_CHECKING:  # (the source imports this module)
     from wdsraft.pipeline.source import TarfileToSamples
 
-__all__ = ["ActiveShards", "same_shard"]
+__all__ = ["ActiveShards"]
 
 logger = logging.getLogger(__name__)
 
@@ -102,21 +102,10 @@ class ActiveShards:
         return {"shards_started": self.started, "active": [cursor.state() for cursor in self.active]}
 
     def _join(self, source: Any, saved: dict[str, Any] | None) -> _Cursor:
-        entry = ShardEntry.of(source)
-        url, offset, ordinal, end = entry.url, entry.offset, entry.ordinal, entry.end
-        if saved is not None:
-            if url != saved["url"]:
-                raise StateMismatchError(
-                    f"shard #{self.started} of this epoch is {url}, but the saved state was reading {saved['url']}: "
-                    "the shard list or its order changed"
-                )
-            offset, ordinal = saved["offset"], saved["ordinal"]
-        index = ShardIndex.beside(url)  # once per shard: the readers check against it
-        offset, ordinal = start_of(entry, index, offset, ordinal)
-        if saved is not None:
-            same_shard(url, saved.get("shard"), index.identity if index is not None else None)
-        local = local_path(url) if self.stage.local_path else None
-        return _Cursor(self.started, url, offset, ordinal, index, end, local)
+        opened = open_entry(source, self.started, saved)
+        assert opened is not None  # (an active shard's saved position is never a finished one)
+        local = local_path(opened.url) if self.stage.local_path else None
+        return _Cursor(self.started, opened.url, opened.offset, opened.ordinal, opened.shard_index, opened.end, local)
 
     def _restore(self, sources: Iterator[Any], resume: dict[str, Any]) -> None:
         """Replay the shard list up to the shards the state had started; reopen its open ones."""
@@ -161,17 +150,3 @@ class ActiveShards:
             ctx.provenance = (cursor.url, sample[ORDINAL_FIELD], sample[OFFSET_FIELD], 0)
             ctx.serial = next(ctx.serials)
             yield sample
-
-
-def same_shard(url: str, saved: str | None, identity: str | None) -> None:
-    """A state taken on one shard must not resume on another of the same name (a re-converted dataset)."""
-    if saved is None:
-        return  # (a state from before identities were recorded, or a shard without an index then)
-    if identity is None:
-        logger.warning("%s: the saved state names the shard %s but it has no index now: not checked", url, saved)
-        return
-    if saved != identity:
-        raise StateMismatchError(
-            f"{url}: the saved state was taken on a shard with identity {saved}, this one is {identity}: "
-            "the shard was rewritten (same name, other contents)"
-        )

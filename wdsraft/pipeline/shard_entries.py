@@ -7,12 +7,15 @@ fields and its start from here, so an entry means the same whichever reads it.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, NamedTuple
 
-from wdsraft.core.errors import IndexFormatError
+from wdsraft.core.errors import IndexFormatError, StateMismatchError
 from wdsraft.index.shard_index import INDEX_SUFFIX, ShardIndex
 
-__all__ = ["ShardEntry", "start_of"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["OpenedEntry", "ShardEntry", "open_entry", "same_shard", "start_of"]
 
 
 class ShardEntry(NamedTuple):
@@ -62,3 +65,49 @@ def start_of(entry: ShardEntry, index: ShardIndex | None, offset: int | None, or
     if ordinal is None:  # an offset without its ordinal: the index knows it (else 0, as before indexes)
         ordinal = (index.ordinal_at(offset) if index is not None else None) or 0
     return offset, ordinal
+
+
+class OpenedEntry(NamedTuple):
+    """An entry opened for reading: where its shard's reading starts, where it stops, and the shard's index."""
+
+    url: str
+    offset: int
+    ordinal: int
+    end: int | None
+    shard_index: ShardIndex | None
+
+
+def open_entry(source: Any, number: int, saved: dict[str, Any] | None) -> OpenedEntry | None:
+    """Shard list entry ``source`` (shard ``number`` of the epoch) opened for reading: from the entry's start,
+    or from ``saved``'s position when a state was taken on this shard (it must be the same shard: name and
+    identity), its index read once. None where ``saved`` says the shard was finished."""
+    entry = ShardEntry.of(source)
+    offset, ordinal = entry.offset, entry.ordinal
+    if saved is not None:
+        if entry.url != saved["url"]:
+            raise StateMismatchError(
+                f"shard #{number} of this epoch is {entry.url}, but the saved state was reading {saved['url']}: "
+                "the shard list or its order changed"
+            )
+        if saved.get("done"):
+            return None
+        offset, ordinal = saved["offset"], saved["ordinal"]
+    index = ShardIndex.beside(entry.url)  # once per shard: the readers check against it
+    offset, ordinal = start_of(entry, index, offset, ordinal)
+    if saved is not None:
+        same_shard(entry.url, saved.get("shard"), index.identity if index is not None else None)
+    return OpenedEntry(entry.url, offset, ordinal, entry.end, index)
+
+
+def same_shard(url: str, saved: str | None, identity: str | None) -> None:
+    """A state taken on one shard must not resume on another of the same name (a re-converted dataset)."""
+    if saved is None:
+        return  # (a state from before identities were recorded, or a shard without an index then)
+    if identity is None:
+        logger.warning("%s: the saved state names the shard %s but it has no index now: not checked", url, saved)
+        return
+    if saved != identity:
+        raise StateMismatchError(
+            f"{url}: the saved state was taken on a shard with identity {saved}, this one is {identity}: "
+            "the shard was rewritten (same name, other contents)"
+        )

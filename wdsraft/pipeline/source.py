@@ -22,9 +22,9 @@ from wdsraft.core.fields import OFFSET_FIELD, ORDINAL_FIELD
 from wdsraft.core.state import describe
 from wdsraft.index.shard_index import ShardIndex, span_digest
 from wdsraft.io.storage import local_path
-from wdsraft.pipeline.active import ActiveShards, same_shard
+from wdsraft.pipeline.active import ActiveShards
 from wdsraft.pipeline.addresses import Address
-from wdsraft.pipeline.shard_entries import ShardEntry, start_of
+from wdsraft.pipeline.shard_entries import open_entry
 from wdsraft.pipeline.stage import Context, SourceStage
 from wdsraft.tar.format import BLOCK
 from wdsraft.tar.reader import ShardSampleReader
@@ -151,25 +151,17 @@ class TarfileToSamples(SourceStage):
         live = self._live
         started = 0
         for source in src:
-            entry = ShardEntry.of(source)
-            url, offset, ordinal, end = entry.url, entry.offset, entry.ordinal, entry.end
             started += 1
+            saved = None
             if resume is not None and started <= resume["shards_started"]:
                 if started < resume["shards_started"]:
                     continue  # finished before the checkpoint: not even opened
-                if url != resume["url"]:
-                    raise StateMismatchError(
-                        f"shard #{started} of this epoch is {url}, but the saved state was reading {resume['url']}: "
-                        "the shard list or its order changed"
-                    )
-                offset, ordinal = resume["offset"], resume["ordinal"]
-                if resume["done"]:
-                    continue
-            index = ShardIndex.beside(url)  # once per shard: the readers check against it
-            offset, ordinal = start_of(entry, index, offset, ordinal)
+                saved = resume
+            opened = open_entry(source, started, saved)
+            if opened is None:
+                continue  # (the shard the state was on, finished)
+            url, offset, ordinal, end, index = opened
             identity = index.identity if index is not None else None
-            if resume is not None and started == resume["shards_started"]:
-                same_shard(url, resume.get("shard"), identity)
             live.update(shards_started=started, url=url, offset=offset, ordinal=ordinal, done=False, shard=identity)
             local = local_path(url) if self.local_path else None
             stopped = False
