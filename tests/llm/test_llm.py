@@ -256,24 +256,24 @@ def test_collate_sequences_for_varlen_attention() -> None:
 @pytest.mark.parametrize("stage", ["concat_chunk", "chunk", "chunk_keep", "pack_bestfit", "pad"])
 def test_restore_at_every_step(urls, cl100k, stage) -> None:
     def make():
-        pipeline = (
-            wds.WebDataset(urls, shardshuffle=3, seed=1)
-            .shuffle(7, seed=2)
-            .tokenize(cl100k, batch_size=4)
-            .ensure_bos_eos(cl100k)
-        )
-        if stage == "pack_bestfit":
-            sized = pipeline.pack_bestfit(LENGTH, buffer=6)
-        elif stage == "chunk_keep":
-            sized = pipeline.chunk(LENGTH, drop_remainder=False)
-        else:
-            sized = getattr(pipeline, stage)(LENGTH)
-        return sized.batched(3)
+        return _sized(wds.WebDataset(urls, shardshuffle=3, seed=1).shuffle(7, seed=2), cl100k, stage)
 
     stream, states = states_along(make)
     assert len(stream) > 5
     for k in range(len(states)):
         assert resume(make, states[k], ("msgpack", "json", "torch")[k % 3], seed=k) == stream[k:], k
+
+
+def _sized(pipeline, cl100k, stage: str):
+    """``pipeline`` tokenized, with BOS/EOS, cut or packed by ``stage`` into sequences, batched by 3."""
+    pipeline = pipeline.tokenize(cl100k, batch_size=4).ensure_bos_eos(cl100k)
+    if stage == "pack_bestfit":
+        sized = pipeline.pack_bestfit(LENGTH, buffer=6)
+    elif stage == "chunk_keep":
+        sized = pipeline.chunk(LENGTH, drop_remainder=False)
+    else:
+        sized = getattr(pipeline, stage)(LENGTH)
+    return sized.batched(3)
 
 
 def _plain(sample):
@@ -289,16 +289,7 @@ def test_a_state_taken_one_step_after_a_restore_resumes_exactly(urls, cl100k, st
 
     def make():
         pipeline = wds.WebDataset(urls, shardshuffle=3, seed=1).shuffle(7, seed=2)
-        if in_flight:
-            pipeline = pipeline.parallel_map(_plain, max_workers=2)
-        pipeline = pipeline.tokenize(cl100k, batch_size=4).ensure_bos_eos(cl100k)
-        if stage == "pack_bestfit":
-            sized = pipeline.pack_bestfit(LENGTH, buffer=6)
-        elif stage == "chunk_keep":
-            sized = pipeline.chunk(LENGTH, drop_remainder=False)
-        else:
-            sized = getattr(pipeline, stage)(LENGTH)
-        return sized.batched(3)
+        return _sized(pipeline.parallel_map(_plain, max_workers=2) if in_flight else pipeline, cl100k, stage)
 
     stream, states = states_along(make)
     assert len(stream) > 5
